@@ -35,7 +35,7 @@ setup(
         "bench": ["matplotlib", "tqdm"],
     },
     entry_points={
-        "sglang.srt.platforms": ["k3_cpu = sglang_k3.integration.platform:activate"],
+        "sglang.srt.platforms": ["k3_cpu = sglang_k3.integration.platform_entry:activate"],
         "sglang.srt.plugins": ["k3 = sglang_k3.integration.plugin:load"],
     },
 )

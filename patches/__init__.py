@@ -1,0 +1,41 @@
+"""Changes to upstream SGLang behaviour that no registry offers.
+
+One module per upstream symbol. Each module defines:
+
+- ``TARGET``: the dotted upstream path it hooks (as ``HookRegistry`` takes it);
+- ``REASON``: one line, why the change is needed;
+- ``UPSTREAM_VERSION``: the sglang version the hook was written against;
+- ``register()``: registers its hook(s) with ``sglang.srt.plugins.hook_registry.HookRegistry``.
+
+``register_all()`` is called by the ``sglang.srt.plugins`` entry point
+(``sglang_k3.integration.plugin:load``) in every SGLang process; SGLang then applies the hooks.
+Modules are listed explicitly so the order is stable and a missing module fails loudly.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+# Filled in as patch modules are added (module names relative to this package).
+PATCH_MODULES: list[str] = []
+
+_registered = False
+
+
+def register_all(only_cpu: bool | None = None) -> list[str]:
+    """Register every patch; returns the targets registered (idempotent per process)."""
+    global _registered
+    targets: list[str] = []
+    if _registered:
+        return targets
+    _registered = True
+    for name in PATCH_MODULES:
+        mod = importlib.import_module(f"{__name__}.{name}")
+        if only_cpu is not None and getattr(mod, "CPU_ONLY", False) and not only_cpu:
+            continue
+        mod.register()
+        targets.append(mod.TARGET)
+        logger.info("sglang-k3 patch %s -> %s (%s)", name, mod.TARGET, mod.REASON)
+    return targets

@@ -1,0 +1,57 @@
+"""sglang-k3's own command-line flags (all prefixed ``--k3-``) and how they reach the scheduler.
+
+SGLang starts the scheduler in a spawned process from ``ServerArgs``, which has no room for
+extension flags. ``launch_server`` therefore parses ours first, removes them from argv, and
+publishes them in the environment variable ``SGLANG_K3_CONFIG`` (JSON), which every child process
+inherits. ``current()`` reads it back (defaults when unset, e.g. under ``sglang.launch_server``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+ENV_CONFIG = "SGLANG_K3_CONFIG"
+
+
+@dataclasses.dataclass
+class K3Config:
+    embedded_model_dir: str | None = None
+    cpu_defaults: bool = True
+
+    def to_env(self) -> None:
+        os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
+
+
+def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group(
+        "sglang-k3",
+        "Options added by sglang-k3. Every other option is SGLang's own and is passed through.",
+    )
+    g.add_argument(
+        "--k3-embedded-model-dir",
+        default=None,
+        help="Where the embedded tiny K3-architecture model is built on first use when no "
+        "--model-path is given (default: $SGLANG_K3_HOME or ~/.cache/sglang_k3).",
+    )
+    g.add_argument(
+        "--k3-no-cpu-defaults",
+        action="store_true",
+        help="On a machine without CUDA, do not add the CPU serving defaults (--device cpu "
+        "--attention-backend torch_native --max-total-tokens 8192 --skip-server-warmup "
+        "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule "
+        "--max-mamba-cache-size 32). Flags given explicitly always win over these defaults.",
+    )
+    return g
+
+
+def from_namespace(ns: argparse.Namespace) -> K3Config:
+    return K3Config(embedded_model_dir=ns.k3_embedded_model_dir, cpu_defaults=not ns.k3_no_cpu_defaults)
+
+
+def current() -> K3Config:
+    raw = os.environ.get(ENV_CONFIG)
+    if not raw:
+        return K3Config()
+    return K3Config(**json.loads(raw))

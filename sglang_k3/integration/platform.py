@@ -1,0 +1,17 @@
+"""The CPU platform class; activated by ``platform_entry.activate`` (see there for when)."""
+from __future__ import annotations
+
+from sglang.srt.platforms.cpu import CpuSRTPlatform
+from sglang.srt.platforms.device_mixin import PlatformEnum
+
+
+class K3CpuPlatform(CpuSRTPlatform):
+    """CPU serving for hybrid KDA/MLA models through SGLang's own server."""
+
+    _enum = PlatformEnum.OOT
+
+    def get_default_attention_backend(self) -> str:
+        return "torch_native"
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"

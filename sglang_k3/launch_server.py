@@ -1,0 +1,99 @@
+"""``python -m sglang_k3.launch_server``: SGLang's own server with sglang-k3's cache and defaults.
+
+Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists them beside ours.
+With no ``--model-path``, the embedded tiny K3-architecture model is built (once) and served.
+On a machine without CUDA the CPU serving defaults are added; any flag you give wins.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sglang_k3.integration.k3_args import K3Config, add_k3_args, from_namespace
+
+PROG = "python -m sglang_k3.launch_server"
+
+# Defaults that make the hybrid KDA/MLA path serve on CPU (see README, "CPU serving").
+CPU_DEFAULTS: list[tuple[str, str | None]] = [
+    ("--device", "cpu"),
+    ("--attention-backend", "torch_native"),
+    ("--max-total-tokens", "8192"),
+    ("--skip-server-warmup", None),
+    ("--mamba-radix-cache-strategy", "no_buffer"),
+    ("--disable-overlap-schedule", None),
+    ("--max-mamba-cache-size", "32"),
+]
+# The embedded model is an fp32 checkpoint; kimi_linear builds one projection with the config
+# dtype, so `--dtype auto` would mix dtypes.
+EMBEDDED_MODEL_DEFAULTS: list[tuple[str, str | None]] = [("--dtype", "float32")]
+
+
+def _given(argv: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+
+
+def _with_defaults(argv: list[str], defaults: list[tuple[str, str | None]]) -> list[str]:
+    out = list(argv)
+    for flag, value in defaults:
+        if not _given(argv, flag):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
+    """Split our flags off ``argv`` and return SGLang's argv with our defaults added."""
+    ours = argparse.ArgumentParser(add_help=False)
+    add_k3_args(ours)
+    ns, rest = ours.parse_known_args(argv)
+    cfg = from_namespace(ns)
+
+    from sglang_k3.integration.platform_entry import cpu_platform_wanted
+
+    if not _given(rest, "--model-path", "--model"):
+        from sglang_k3.model.tiny_build import ENV_HOME, default_model_path
+
+        if cfg.embedded_model_dir:
+            os.environ[ENV_HOME] = cfg.embedded_model_dir
+        print("sglang-k3: no --model-path given; serving the embedded tiny K3 model", file=sys.stderr)
+        rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
+    if cfg.cpu_defaults and cpu_platform_wanted():
+        rest = _with_defaults(rest, CPU_DEFAULTS)
+    return rest, cfg
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_k3_args(parser)
+    ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        if "--model-path" in action.option_strings:
+            action.required = False
+            action.help = "Path to model weights (default: the embedded tiny K3-architecture model)."
+    parser.print_help()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _given(argv, "-h", "--help"):
+        print_help()
+        return
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    sglang_argv, cfg = build_argv(argv)
+    cfg.to_env()
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The embedded default model: a tiny Kimi-Linear-architecture checkpoint made offline."""
