@@ -1,0 +1,97 @@
+"""Tree nodes and checkpoints: plain data, no behaviour beyond small derived properties.
+
+A :class:`Node` is one radix edge: the tokens ``key`` at depths ``[start, start + len(key))`` and one
+MLA KV pool index per token in ``kv``. A :class:`Checkpoint` is a KDA state snapshot *after* ``pos``
+tokens, with one read-only handle per KDA layer group. It is stored on the node whose span holds its
+position: ``start < pos <= end``. Checkpoints are deliberately not tied to node ends, so a
+checkpoint may sit inside a node (e.g. inside a large KV page) without forcing a split there.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class CheckpointKind(enum.IntFlag):
+    """Why a checkpoint was placed. Placement uses it to decide what may be recycled."""
+
+    CHUNK = 1  # end of a prefill chunk (intermediate; recyclable once superseded)
+    PROMPT_END = 2  # end of prompt
+    GEN_END = 4  # end of generation: the turn boundary the next turn matches
+    DECODE = 8  # every N decode tokens (intermediate; recyclable once superseded)
+    BRANCH = 16  # radix branch point (Marconi-style speculative insertion)
+
+    @property
+    def recyclable(self) -> bool:
+        """Only pure intermediates may be dropped while a request runs."""
+        return not (self & (CheckpointKind.PROMPT_END | CheckpointKind.GEN_END | CheckpointKind.BRANCH))
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """KDA state after ``pos`` tokens, one handle per KDA layer group.
+
+    ``ready`` is False until the copy/donation into the handles has landed (invariant 2):
+    a not-ready checkpoint is never matched and never evicted (freeing it while a write is in
+    flight would hand a slot with a pending write to the allocator).
+    ``pins`` counts matches whose copy-on-write out of this checkpoint has not landed yet
+    (invariant 1); a pinned checkpoint is never evicted.
+    """
+
+    id: int
+    pos: int
+    handles: list[Optional[int]]
+    nbytes: int
+    kind: CheckpointKind
+    node: Optional["Node"]
+    ready: bool = False
+    pins: int = 0
+    last_access: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """True when every KDA group has its handle (a partial boundary is never restorable)."""
+        return all(h is not None for h in self.handles)
+
+    @property
+    def matchable(self) -> bool:
+        return self.ready and self.complete
+
+    def held_handles(self) -> list[int]:
+        return [h for h in self.handles if h is not None]
+
+
+@dataclass(eq=False)
+class Node:
+    """One radix edge. ``key``/``kv`` are parallel lists; ``children`` is keyed by the child's
+    first page of tokens (a tuple of ``page_size`` ints), so at most one child can match a full
+    page exactly; partial-page matches are found by scanning siblings."""
+
+    id: int
+    parent: Optional["Node"]
+    start: int
+    key: list[int] = field(default_factory=list)
+    kv: list[int] = field(default_factory=list)
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self.checkpoints.values())
+
+    def __repr__(self) -> str:  # small, for test failure messages
+        return f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, lock={self.lock_ref})"

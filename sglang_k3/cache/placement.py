@@ -1,0 +1,91 @@
+"""Where to checkpoint, and which intermediate checkpoints to recycle. Each position is a flag.
+
+Why sparse and typed: a Kimi-Linear checkpoint is ~40 MiB, so the positions must be the ones
+likely to be matched again: prefill chunk ends cost nothing extra (the kernel exports them in the
+same forward) but are mostly superseded by the next one; the prompt end and the generation end are
+what a next turn matches; radix branch points have already proven that two requests share a
+prefix (Marconi). A per-path budget stops one long path from taking all state memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from sglang_k3.cache.node import Checkpoint, CheckpointKind
+
+
+@dataclass
+class PlacementPolicy:
+    hit_unit: int = 64
+    at_chunk_end: bool = True
+    at_prompt_end: bool = True
+    at_generation_end: bool = True
+    decode_interval: Optional[int] = None  # e.g. 4096; None: off
+    at_branch_points: bool = True
+    per_path_budget: Optional[int] = 8  # checkpoints kept on one root-to-leaf path; None: no cap
+    recycle_superseded: bool = True
+
+    def _align(self, pos: int) -> int:
+        return pos // self.hit_unit * self.hit_unit
+
+    def plan_prefill(
+        self,
+        prompt_len: int,
+        chunk_ends: Sequence[int],
+        restore_len: int = 0,
+        branch_point: Optional[int] = None,
+    ) -> dict[int, CheckpointKind]:
+        """Positions (hit-unit multiples in ``(restore_len, prompt_len]``) whose state the prefill
+        should export, with why. ``chunk_ends`` are absolute end positions of the prefill chunks;
+        ``branch_point`` comes from ``tree.find_branch_point`` before the prefill."""
+        plan: dict[int, CheckpointKind] = {}
+
+        def add(pos: Optional[int], kind: CheckpointKind) -> None:
+            if pos is None:
+                return
+            pos = self._align(pos)
+            if restore_len < pos <= prompt_len:
+                plan[pos] = plan.get(pos, CheckpointKind(0)) | kind
+
+        if self.at_chunk_end:
+            for end in chunk_ends[:-1] if chunk_ends and chunk_ends[-1] >= prompt_len else chunk_ends:
+                add(end, CheckpointKind.CHUNK)
+        if self.at_prompt_end:
+            add(prompt_len, CheckpointKind.PROMPT_END)
+        if self.at_branch_points:
+            add(branch_point, CheckpointKind.BRANCH)
+        return plan
+
+    def decode_checkpoint(self, seq_len: int) -> bool:
+        """After a decode step the sequence has ``seq_len`` processed tokens: snapshot now?"""
+        return bool(self.decode_interval) and seq_len % self.decode_interval == 0 and seq_len % self.hit_unit == 0  # type: ignore[operator]
+
+    def generation_end(self, seq_len: int) -> Optional[int]:
+        """The turn boundary to keep when a request finishes with ``seq_len`` processed tokens."""
+        if not self.at_generation_end:
+            return None
+        return self._align(seq_len) or None
+
+    def select_recyclable(
+        self,
+        path: Sequence[Checkpoint],
+        is_branch_point: Callable[[Checkpoint], bool],
+    ) -> list[Checkpoint]:
+        """Checkpoints on one path (shallowest first) no longer worth keeping: intermediates
+        (chunk/decode kind, not at a branch point) with a later checkpoint on the same path; then,
+        over budget, the shallowest recyclable or plain ones except the deepest and branch points."""
+        drop: list[Checkpoint] = []
+        if self.recycle_superseded:
+            for ck in path[:-1]:
+                if ck.kind.recyclable and not is_branch_point(ck):
+                    drop.append(ck)
+        if self.per_path_budget is not None:
+            kept = [c for c in path if c not in drop]
+            excess = len(kept) - self.per_path_budget
+            for ck in kept[:-1]:
+                if excess <= 0:
+                    break
+                if not is_branch_point(ck):
+                    drop.append(ck)
+                    excess -= 1
+        return drop

@@ -1,0 +1,567 @@
+"""The KDA-aware radix tree: pure Python over ints (token ids, KV pool indices, checkpoint handles).
+
+Why pure Python and not a subclass of upstream's ``UnifiedRadixCache`` components: the same code
+must run inside SGLang (wrapped by the integration layer as a ``BasePrefixCache``) *and* inside a
+trace-replay simulator in simulated time, with no torch. Upstream's MAMBA component keeps one state
+per leaf and hits only on its checkpoint grid; here a node holds any number of checkpoints at
+hit-unit multiples inside its span, which is the fine-grained hit the K3 report describes.
+
+Design
+------
+* **Nodes** are radix edges over token ids, holding one MLA KV index per token. Inserted keys are
+  cut to a multiple of ``page_size`` and nodes are only ever split at page multiples, so every
+  node's KV is whole pages: eviction frees whole pages and a key that ends inside a page never
+  creates an empty or a partial-page node (a key shorter than one page inserts nothing).
+* **Matching is token-granular**: phase 1 follows exact full pages through the children dict and,
+  where the request diverges inside a page, scans siblings for the longest token match, so
+  ``mla_len`` can end inside a page. Phase 2 picks the largest checkpoint position
+  ``<= min(mla_len, len(key) - 1)`` on the path that is ready and has a handle in *every* KDA
+  group. The cap ``len(key) - 1`` makes a fully cached prompt still hit (one token is left to
+  compute, everything up to the nearest checkpoint before it is reused).
+* **Checkpoints** live on the node whose span ``(start, end]`` contains their position, not only at
+  node ends, so a hit may land inside a physical page (2800 matched, checkpoint at 2560 ->
+  restore 2560). The caller copies the ``restore_len % page_size`` KV slots of the shared last page
+  into a private page (``MatchResult.kv_cow_tokens``) before extending. Limitation: with
+  ``page_size > 1`` a branch-point checkpoint placed inside a page that two siblings share
+  token-wise lands on the inserting request's sibling only.
+* **Ownership**: the tree never writes a checkpoint. It registers handles (``add_checkpoint``,
+  by copy or by donation), holds them read-only, and hands them back in :class:`Freed`. The three
+  K3 invariants are enforced here: (1) ``match_prefix(pin=True)`` pins the checkpoint (all groups
+  at once) and locks the KV path under it before returning, so nothing the caller allocates next
+  can evict it; (2) a checkpoint is not matchable (and not evictable) until ``mark_ready`` /
+  ``commit_step`` says its copy landed; (3) dropping one group's entry drops the whole boundary.
+* **Eviction** of two resources: KV tokens (leaves only, never locked ones; KV past a leaf's last
+  checkpoint is dead for restores and goes first; a leaf whose KV goes loses its checkpoints) and
+  checkpoint bytes (dropping a checkpoint keeps its KV: the node becomes a pass-through). Order
+  is utility = recency + FLOPs saved per byte (:mod:`eviction`), LRU tie-break.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+from sglang_k3.cache.eviction import Candidate, EvictionPolicy, rank
+from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
+from sglang_k3.cache.results import Freed, InsertResult, MatchResult, Pin
+from sglang_k3.cache.stats import CacheStats, MatchRecord
+
+
+class CheckpointBusy(RuntimeError):
+    """Raised when asked to drop a checkpoint that is pinned or whose copy has not landed."""
+
+
+def _lcp(a: Sequence[int], key: Sequence[int], pos: int) -> int:
+    n = min(len(a), len(key) - pos)
+    i = 0
+    while i < n and a[i] == key[pos + i]:
+        i += 1
+    return i
+
+
+class K3RadixTree:
+    def __init__(
+        self,
+        num_groups: int,
+        page_size: int = 1,
+        hit_unit: int = 64,
+        eviction: Optional[EvictionPolicy] = None,
+    ) -> None:
+        if num_groups < 1 or page_size < 1 or hit_unit < 1:
+            raise ValueError("num_groups, page_size and hit_unit must be >= 1")
+        self.num_groups = num_groups
+        self.page_size = page_size
+        self.hit_unit = hit_unit
+        self.policy = eviction or EvictionPolicy()
+        self.stats = CacheStats()
+        self._clock = 0
+        self._next_id = 0
+        self._reset_state()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _reset_state(self) -> None:
+        self.root = Node(id=self._new_id(), parent=None, start=0)
+        self._ckpts: dict[int, Checkpoint] = {}
+        self._handle_owner: dict[int, Checkpoint] = {}
+        self._pending: set[int] = set()
+        self._evictable_tokens = 0
+        self._protected_tokens = 0
+        self.stats.checkpoints = 0
+        self.stats.checkpoint_bytes = 0
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _check_attached(self, node: Node) -> None:
+        if node is not self.root and node.parent is None:
+            raise ValueError(f"{node!r} is no longer in the tree (evicted)")
+
+    def _path(self, node: Node) -> Iterator[Node]:
+        """Nodes from ``node`` up to (excluding) the root."""
+        while node is not self.root:
+            yield node
+            node = node.parent  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ sizes
+    def evictable_size(self) -> int:
+        """KV tokens in unlocked nodes."""
+        return self._evictable_tokens
+
+    def protected_size(self) -> int:
+        """KV tokens in locked nodes."""
+        return self._protected_tokens
+
+    def total_size(self) -> int:
+        return self._evictable_tokens + self._protected_tokens
+
+    def checkpoint_count(self) -> int:
+        return len(self._ckpts)
+
+    def checkpoint_bytes(self) -> int:
+        return self.stats.checkpoint_bytes
+
+    def evictable_checkpoint_bytes(self) -> int:
+        return sum(c.nbytes for c in self._ckpts.values() if self._ckpt_evictable(c))
+
+    def checkpoints(self) -> list[Checkpoint]:
+        return list(self._ckpts.values())
+
+    # ------------------------------------------------------------------ matching
+    def _find_child(self, node: Node, key: Sequence[int], pos: int) -> tuple[Optional[Node], int]:
+        p = self.page_size
+        if pos + p <= len(key):
+            child = node.children.get(tuple(key[pos : pos + p]))
+            if child is not None:
+                return child, _lcp(child.key, key, pos)
+        best, best_n = None, 0  # divergence or end of key inside the first page: scan siblings
+        for child in node.children.values():
+            n = _lcp(child.key[:p], key, pos)
+            if n > best_n:
+                best, best_n = child, n
+        return best, best_n
+
+    def _walk(self, key: Sequence[int]) -> tuple[list[Node], int]:
+        """Phase 1: nodes touched by the longest token match and its length."""
+        node, pos, path = self.root, 0, []
+        while pos < len(key):
+            child, n = self._find_child(node, key, pos)
+            if child is None or n == 0:
+                break
+            path.append(child)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return path, pos
+
+    def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
+        """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
+        path, mla_len = self._walk(key)
+        cap = min(mla_len, len(key) - 1)
+        best: Optional[Checkpoint] = None
+        for node in reversed(path):
+            for ck in node.checkpoints.values():
+                if ck.pos <= cap and ck.matchable and (best is None or ck.pos > best.pos):
+                    best = ck
+            if best is not None:
+                break  # checkpoints on deeper nodes always sit at larger positions
+        now = self._tick()
+        for node in path:
+            node.last_access = now
+        restore = best.pos if best is not None else 0
+        kv: list[int] = []
+        for node in path:
+            if node.start >= restore:
+                break
+            kv.extend(node.kv[: restore - node.start])
+        res = MatchResult(
+            mla_len=mla_len,
+            restore_len=restore,
+            kv_indices=kv,
+            handles=[h for h in best.handles] if best is not None else [],  # type: ignore[misc]
+            node=best.node if best is not None else self.root,  # type: ignore[arg-type]
+            checkpoint=best,
+            kv_cow_tokens=restore % self.page_size,
+            replayed_tokens=max(0, cap - restore),
+        )
+        if best is not None:
+            best.last_access = now
+            if pin:
+                best.pins += 1
+                self.inc_lock_ref(best.node)  # type: ignore[arg-type]
+                res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
+        self.stats.record_match(MatchRecord(len(key), mla_len, restore, res.replayed_tokens))
+        return res
+
+    def release_pin(self, pin: Pin) -> None:
+        """The COW out of the pinned checkpoint has landed: it may be evicted again."""
+        if pin.released:
+            raise ValueError("pin released twice")
+        if pin.checkpoint.pins <= 0:
+            raise AssertionError("checkpoint pin count would go negative")
+        pin.released = True
+        pin.checkpoint.pins -= 1
+        self.dec_lock_ref(pin.node)
+
+    def find_branch_point(self, key: Sequence[int]) -> Optional[int]:
+        """Marconi-style speculative insertion, read-only: where would ``key`` fork off an
+        existing path? Returns that position rounded down to the hit unit, or None when the key
+        only extends a leaf, is fully contained, or shares less than one hit unit."""
+        path, mla_len = self._walk(key)
+        if not path or mla_len >= len(key):
+            return None
+        last = path[-1]
+        if mla_len == last.end and last.is_leaf:
+            return None  # plain extension of a cached path (e.g. the next turn)
+        bp = mla_len // self.hit_unit * self.hit_unit
+        return bp or None
+
+    def path_kv(self, node: Node) -> list[int]:
+        """KV indices from the root to ``node``'s end."""
+        self._check_attached(node)
+        out: list[int] = []
+        for n in reversed(list(self._path(node))):
+            out.extend(n.kv)
+        return out
+
+    # ------------------------------------------------------------------ insertion
+    def _split(self, child: Node, n: int) -> Node:
+        """Split ``child`` after ``n`` tokens (a page multiple); returns the new upper node."""
+        p = self.page_size
+        assert 0 < n < len(child.key) and n % p == 0
+        parent = child.parent
+        assert parent is not None
+        mid = Node(id=self._new_id(), parent=parent, start=child.start, key=child.key[:n], kv=child.kv[:n])
+        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        for pos in [q for q in child.checkpoints if q <= mid.end]:
+            ck = child.checkpoints.pop(pos)
+            ck.node = mid
+            mid.checkpoints[pos] = ck
+        parent.children[tuple(child.key[:p])] = mid
+        child.key, child.kv, child.start, child.parent = child.key[n:], child.kv[n:], mid.end, mid
+        mid.children[tuple(child.key[:p])] = child
+        return mid
+
+    def insert(self, key: Sequence[int], kv: Sequence[int]) -> InsertResult:
+        """Insert a request's KV. Only ``len(key)`` rounded down to the page size is taken."""
+        if len(key) != len(kv):
+            raise ValueError("key and kv must have the same length")
+        p = self.page_size
+        limit = len(key) // p * p
+        node, pos, dup = self.root, 0, []
+        now = self._tick()
+        prefix_len = limit
+        while pos < limit:
+            child = node.children.get(tuple(key[pos : pos + p]))
+            if child is None:
+                prefix_len = pos
+                leaf = Node(id=self._new_id(), parent=node, start=pos, key=list(key[pos:limit]),
+                            kv=list(kv[pos:limit]), last_access=now)
+                node.children[tuple(leaf.key[:p])] = leaf
+                self._evictable_tokens += len(leaf.key)
+                node, pos = leaf, limit
+                break
+            n = min(_lcp(child.key, key, pos), limit - pos) // p * p
+            if n < len(child.key):
+                child = self._split(child, n)
+            dup.extend(kv[pos + i] for i in range(n) if kv[pos + i] != child.kv[i])
+            child.last_access = now
+            node, pos = child, pos + n
+        return InsertResult(prefix_len=prefix_len, inserted_len=limit, duplicate_kv=dup, node=node)
+
+    # ------------------------------------------------------------------ locking
+    def inc_lock_ref(self, node: Node) -> int:
+        """Lock ``node`` and its ancestors; returns the KV tokens moved to protected."""
+        self._check_attached(node)
+        delta = 0
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                delta += len(n.key)
+            n.lock_ref += 1
+        self._evictable_tokens -= delta
+        self._protected_tokens += delta
+        return delta
+
+    def dec_lock_ref(self, node: Node) -> int:
+        """Unlock; returns the KV tokens moved back to evictable. Raises rather than go negative."""
+        self._check_attached(node)
+        path = list(self._path(node))
+        if any(n.lock_ref <= 0 for n in path):
+            raise AssertionError(f"lock_ref would go negative on the path to {node!r}")
+        delta = 0
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                delta += len(n.key)
+        self._evictable_tokens += delta
+        self._protected_tokens -= delta
+        return delta
+
+    # ------------------------------------------------------------------ checkpoints
+    def add_checkpoint(
+        self,
+        node: Node,
+        pos: int,
+        handles: Sequence[Optional[int]],
+        nbytes: int,
+        kind: CheckpointKind = CheckpointKind.CHUNK,
+        ready: bool = False,
+    ) -> Optional[Checkpoint]:
+        """Register (copy or donate) a checkpoint after ``pos`` tokens on the path to ``node``.
+
+        ``handles[g]`` is group g's slot, or None when that group registers later
+        (``attach_group_handle``). Returns None when the tree already has a checkpoint at ``pos``:
+        the caller keeps (frees) its handles. Not matchable until ``mark_ready``/``commit_step``
+        unless ``ready`` (use only when the write is known to have landed)."""
+        self._check_attached(node)
+        if pos <= 0 or pos % self.hit_unit or pos > node.end:
+            raise ValueError(f"checkpoint position {pos} must be a positive multiple of "
+                             f"{self.hit_unit} within the path (<= {node.end})")
+        if len(handles) != self.num_groups:
+            raise ValueError(f"expected {self.num_groups} group handles, got {len(handles)}")
+        holder = node
+        while not (holder.start < pos <= holder.end):
+            holder = holder.parent  # type: ignore[assignment]
+        if pos in holder.checkpoints:
+            return None
+        for h in handles:
+            if h is not None and h in self._handle_owner:
+                raise ValueError(f"handle {h} is already held by the tree")
+        ck = Checkpoint(id=self._new_id(), pos=pos, handles=list(handles), nbytes=nbytes, kind=kind,
+                        node=holder, ready=ready, last_access=self._tick())
+        holder.checkpoints[pos] = ck
+        self._ckpts[ck.id] = ck
+        for h in ck.held_handles():
+            self._handle_owner[h] = ck
+        if not ready:
+            self._pending.add(ck.id)
+        self.stats.checkpoints += 1
+        self.stats.checkpoint_bytes += nbytes
+        return ck
+
+    def attach_group_handle(self, ck: Checkpoint, group: int, handle: int) -> None:
+        if ck.id not in self._ckpts or ck.handles[group] is not None or handle in self._handle_owner:
+            raise ValueError("cannot attach: checkpoint gone, group already set, or handle held")
+        ck.handles[group] = handle
+        self._handle_owner[handle] = ck
+
+    def mark_ready(self, ck: Checkpoint) -> None:
+        """The copy/donation into ``ck``'s handles has landed: it becomes matchable."""
+        ck.ready = True
+        self._pending.discard(ck.id)
+
+    def commit_step(self) -> int:
+        """All checkpoints registered so far have landed (call after the step's copies sync)."""
+        n = 0
+        for cid in list(self._pending):
+            ck = self._ckpts.get(cid)
+            if ck is not None:
+                ck.ready = True
+                n += 1
+        self._pending.clear()
+        return n
+
+    def _ckpt_evictable(self, ck: Checkpoint) -> bool:
+        return ck.pins == 0 and ck.ready and ck.node is not None and ck.node.lock_ref == 0
+
+    def drop_checkpoint(self, ck: Checkpoint) -> Freed:
+        """Remove one boundary, every group at once; its KV stays (pass-through node)."""
+        if ck.pins > 0 or not ck.ready:
+            raise CheckpointBusy(f"checkpoint at {ck.pos} is pinned or its copy has not landed")
+        assert ck.node is not None
+        del ck.node.checkpoints[ck.pos]
+        del self._ckpts[ck.id]
+        handles = ck.held_handles()
+        for h in handles:
+            del self._handle_owner[h]
+        ck.handles = [None] * self.num_groups
+        ck.node = None
+        self.stats.checkpoints -= 1
+        self.stats.checkpoint_bytes -= ck.nbytes
+        return Freed(handles=handles, checkpoint_bytes=ck.nbytes, checkpoints=1)
+
+    def invalidate_group(self, ck: Checkpoint, group: int) -> Freed:
+        """A group's entry is going away (its pool needs space, a tier lost it): invariant 3 says
+        the siblings go with it atomically, or a half boundary would linger unrestorable."""
+        if not 0 <= group < self.num_groups:
+            raise ValueError("no such group")
+        freed = self.drop_checkpoint(ck)
+        self.stats.invalidated_checkpoints += 1
+        return freed
+
+    def path_checkpoints(self, node: Node) -> list[Checkpoint]:
+        """Checkpoints on the path to ``node``, shallowest first."""
+        self._check_attached(node)
+        out: list[Checkpoint] = []
+        for n in self._path(node):
+            out.extend(sorted(n.checkpoints.values(), key=lambda c: -c.pos))
+        return out[::-1]
+
+    def is_branch_point(self, ck: Checkpoint) -> bool:
+        n = ck.node
+        return bool(ck.kind & CheckpointKind.BRANCH) or (
+            n is not None and ck.pos == n.end and len(n.children) >= 2)
+
+    # ------------------------------------------------------------------ eviction
+    def _saved_flops(self, ck: Checkpoint) -> float:
+        """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
+        prev = 0
+        for n in self._path(ck.node):  # type: ignore[arg-type]
+            earlier = [q for q in n.checkpoints if q < ck.pos]
+            if earlier:
+                prev = max(earlier)
+                break
+        return self.policy.flops(prev, ck.pos)
+
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> Freed:
+        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible."""
+        freed = Freed()
+        if num_bytes > 0:
+            freed.extend(self._evict_checkpoints(num_bytes))
+        if num_tokens > 0:
+            freed.extend(self._evict_kv(num_tokens))
+        return freed
+
+    def _evict_checkpoints(self, need: int) -> Freed:
+        freed = Freed()
+        cands = [Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
+                 for c in self._ckpts.values() if self._ckpt_evictable(c)]
+        for cand in rank(cands, self.policy.alpha):
+            if freed.checkpoint_bytes >= need:
+                break
+            freed.extend(self.drop_checkpoint(cand.obj))  # type: ignore[arg-type]
+        self.stats.evicted_checkpoints += freed.checkpoints
+        self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
+        return freed
+
+    def _leaves(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            else:
+                out.append(n)
+        return out
+
+    def _keep_end(self, leaf: Node) -> int:
+        """KV a leaf must keep: up to its last checkpoint, rounded up to a whole page."""
+        if not leaf.checkpoints:
+            return leaf.start
+        p = self.page_size
+        return min(leaf.end, -(-max(leaf.checkpoints) // p) * p)
+
+    def _evict_kv(self, need: int) -> Freed:
+        freed = Freed()
+        while len(freed.kv_indices) < need:
+            leaves = [n for n in self._leaves() if n.lock_ref == 0]
+            dead = sorted((n for n in leaves if self._keep_end(n) < n.end), key=lambda n: n.last_access)
+            if dead:  # KV past the last checkpoint cannot serve a restore: it goes first
+                for leaf in dead:
+                    if len(freed.kv_indices) >= need:
+                        break
+                    freed.extend(self._trim_leaf(leaf, self._keep_end(leaf)))
+                continue
+            whole = [n for n in leaves if all(self._ckpt_evictable(c) for c in n.checkpoints.values())]
+            if not whole:
+                break
+            cands = [Candidate(n, n.last_access, sum(self._saved_flops(c) for c in n.checkpoints.values()),
+                               self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes()) for n in whole]
+            for cand in rank(cands, self.policy.alpha):
+                if len(freed.kv_indices) >= need:
+                    break
+                leaf: Node = cand.obj  # type: ignore[assignment]
+                for ck in list(leaf.checkpoints.values()):
+                    f = self.drop_checkpoint(ck)
+                    self.stats.evicted_checkpoints += 1
+                    self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+                    freed.extend(f)
+                freed.extend(self._trim_leaf(leaf, leaf.start))
+        self.stats.evicted_kv_tokens += len(freed.kv_indices)
+        return freed
+
+    def _trim_leaf(self, leaf: Node, keep_end: int) -> Freed:
+        """Free the leaf's KV past ``keep_end`` (a page multiple); removes the leaf at its start."""
+        assert leaf.lock_ref == 0 and leaf.is_leaf and keep_end % self.page_size == 0
+        cut = keep_end - leaf.start
+        out = leaf.kv[cut:]
+        self._evictable_tokens -= len(out)
+        if cut == 0:
+            assert not leaf.checkpoints
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[tuple(leaf.key[: self.page_size])]
+            leaf.parent = None
+        else:
+            leaf.key, leaf.kv = leaf.key[:cut], leaf.kv[:cut]
+        return Freed(kv_indices=out)
+
+    # ------------------------------------------------------------------ recycle / reset
+    def recycle_path(self, node: Node, policy: "PlacementPolicy") -> Freed:  # noqa: F821
+        """Drop intermediate checkpoints on ``node``'s path that ``policy`` no longer wants
+        (called while the request that owns ``node`` runs)."""
+        freed = Freed()
+        for ck in policy.select_recyclable(self.path_checkpoints(node), self.is_branch_point):
+            if ck.pins == 0 and ck.ready:
+                freed.extend(self.drop_checkpoint(ck))
+        self.stats.recycled_checkpoints += freed.checkpoints
+        return freed
+
+    def reset(self) -> Freed:
+        """Drop everything and return every KV index and handle the tree held. The caller must
+        have no outstanding locks or pins (their nodes are detached afterwards)."""
+        freed = Freed()
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            freed.kv_indices.extend(n.kv)
+            for ck in n.checkpoints.values():
+                freed.handles.extend(ck.held_handles())
+                freed.checkpoint_bytes += ck.nbytes
+                freed.checkpoints += 1
+                ck.node = None
+            n.parent = None
+        self._reset_state()
+        return freed
+
+    # ------------------------------------------------------------------ self-check
+    def check_invariants(self) -> None:
+        """Recompute everything from scratch and assert the incremental state agrees (tests)."""
+        seen_kv: set[int] = set()
+        seen_h: dict[int, Checkpoint] = {}
+        ev = pr = nck = nbytes = 0
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            for head, c in n.children.items():
+                assert c.parent is n and c.start == n.end and len(c.key) > 0, c
+                assert tuple(c.key[: self.page_size]) == head and len(c.key) == len(c.kv)
+                assert len(c.key) % self.page_size == 0, c
+                assert 0 <= c.lock_ref <= n.lock_ref or n is self.root, (n, c)
+                stack.append(c)
+            if n is self.root:
+                continue
+            assert n.lock_ref >= 0
+            for i in n.kv:
+                assert i not in seen_kv, f"KV index {i} held twice"
+                seen_kv.add(i)
+            if n.lock_ref:
+                pr += len(n.key)
+            else:
+                ev += len(n.key)
+            for pos, ck in n.checkpoints.items():
+                assert ck.pos == pos and ck.node is n and n.start < pos <= n.end and pos % self.hit_unit == 0
+                assert ck.pins >= 0 and (ck.pins == 0 or n.lock_ref >= ck.pins)
+                assert ck.ready or ck.id in self._pending
+                nck += 1
+                nbytes += ck.nbytes
+                for h in ck.held_handles():
+                    assert h not in seen_h, f"handle {h} held twice"
+                    seen_h[h] = ck
+        assert (ev, pr) == (self._evictable_tokens, self._protected_tokens), (ev, pr)
+        assert nck == len(self._ckpts) == self.stats.checkpoints and nbytes == self.stats.checkpoint_bytes
+        assert seen_h == self._handle_owner
