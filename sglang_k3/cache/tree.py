@@ -377,8 +377,7 @@ class K3RadixTree:
         handles = ck.held_handles()
         for h in handles:
             del self._handle_owner[h]
-        ck.handles = [None] * self.num_groups
-        ck.node = None
+        ck.node = None  # detached; ck.handles keeps the record of what was handed back
         self.stats.checkpoints -= 1
         self.stats.checkpoint_bytes -= ck.nbytes
         return Freed(handles=handles, checkpoint_bytes=ck.nbytes, checkpoints=1)

@@ -1,0 +1,87 @@
+"""Eviction order over two resources (KV tokens, checkpoint bytes) and locked-path protection."""
+from sglang_k3.cache import CheckpointKind, EvictionPolicy, IntPool, K3RadixTree, preset
+
+
+def build(alpha=1.0, cost=None, page=1):
+    tree = K3RadixTree(num_groups=1, page_size=page, hit_unit=64,
+                       eviction=EvictionPolicy(cost=cost, alpha=alpha))
+    return tree, IntPool(100_000, page), IntPool(1000)
+
+
+def branch(tree, kv, h, tag, length, ckpts):
+    key = [tag] * length
+    r = tree.insert(key, kv.alloc(length))
+    out = [tree.add_checkpoint(r.node, p, h.alloc(1), nbytes=1000, ready=True) for p in ckpts]
+    return key, r.node, out
+
+
+def test_checkpoint_eviction_is_lru_when_alpha_zero():
+    tree, kv, h = build(alpha=0)
+    ka, _, [a] = branch(tree, kv, h, 1, 256, [256])
+    kb, _, [b] = branch(tree, kv, h, 2, 256, [256])
+    tree.match_prefix(ka + [0], pin=False)  # a is now more recent
+    freed = tree.evict(num_bytes=1)
+    assert freed.handles == b.handles
+    assert tree.total_size() == 512  # KV kept: pass-through nodes
+    assert tree.stats.evicted_checkpoints == 1
+
+
+def test_utility_prefers_keeping_checkpoints_that_save_more_flops_per_byte():
+    tree, kv, h = build(alpha=10.0, cost=preset("kimi-linear-48b"))
+    ka, _, [a_short] = branch(tree, kv, h, 1, 64, [64])
+    kb, _, [b_long] = branch(tree, kv, h, 2, 8192, [8192])
+    tree.match_prefix(ka + [0], pin=False)  # the cheap one is more recent, but saves little
+    freed = tree.evict(num_bytes=1)
+    assert freed.handles == a_short.handles
+
+
+def test_superseded_close_checkpoint_saves_little():
+    tree, kv, h = build(alpha=10.0)
+    key, node, [c1, c2, c3] = branch(tree, kv, h, 1, 4096, [2048, 2112, 4096])
+    # c2 only saves 64 tokens over c1: it goes first even though all have the same recency
+    assert tree.evict(num_bytes=1).handles == c2.handles
+
+
+def test_kv_eviction_takes_dead_tails_first_then_leaves_with_their_checkpoints():
+    tree, kv, h = build(alpha=0)
+    ka, na, _ = branch(tree, kv, h, 1, 1000, [640])
+    kb, nb, [cb] = branch(tree, kv, h, 2, 300, [256])
+    freed = tree.evict(num_tokens=300)  # dead tails (past the last checkpoint), LRU: a's 360
+    assert len(freed.kv_indices) == 360 and freed.handles == []
+    assert len(tree.evict(num_tokens=1).kv_indices) == 44  # then b's tail
+    assert tree.match_prefix(ka, pin=False).restore_len == 640  # restores untouched
+    freed = tree.evict(num_tokens=1)  # no dead KV left: a whole leaf goes, LRU (b is older)
+    assert freed.handles == cb.handles and len(freed.kv_indices) == 256
+    assert tree.checkpoint_count() == 1
+    tree.check_invariants()
+
+
+def test_locked_paths_are_never_evicted():
+    tree, kv, h = build()
+    ka, na, [ca] = branch(tree, kv, h, 1, 512, [512])
+    kb, nb, [cb] = branch(tree, kv, h, 2, 512, [512])
+    tree.inc_lock_ref(na)
+    freed = tree.evict(num_tokens=10_000, num_bytes=10_000)
+    assert freed.handles == cb.handles and len(freed.kv_indices) == 512
+    assert tree.total_size() == 512 and tree.checkpoint_count() == 1
+    tree.dec_lock_ref(na)
+    freed = tree.evict(num_tokens=10_000)
+    assert freed.handles == ca.handles and tree.total_size() == 0
+
+
+def test_page_aligned_trim_keeps_the_page_under_a_mid_page_checkpoint():
+    tree, kv, h = build(page=256)
+    key, node, [c] = branch(tree, kv, h, 1, 1024, [320])
+    freed = tree.evict(num_tokens=1)
+    assert len(freed.kv_indices) == 1024 - 512  # keeps pages [0,512) covering 320
+    assert tree.match_prefix(key, pin=False).restore_len == 320
+    tree.check_invariants()
+
+
+def test_internal_node_becomes_leaf_and_is_evicted_after_children():
+    tree, kv, h = build()
+    base = list(range(128))
+    tree.insert(base + [1] * 128, kv.alloc(256))
+    tree.insert(base + [2] * 128, kv.alloc(256))
+    freed = tree.evict(num_tokens=10_000)
+    assert len(freed.kv_indices) == 384 and not tree.root.children

@@ -1,0 +1,72 @@
+"""The three K3 concurrency invariants; each test fails if its guard is removed."""
+import pytest
+
+from sglang_k3.cache import CheckpointBusy, IntPool, K3RadixTree
+
+
+def tree_with_checkpoint(groups=3, ready=True):
+    tree, kv, h = K3RadixTree(num_groups=groups, hit_unit=64), IntPool(10_000), IntPool(100)
+    key = list(range(512))
+    r = tree.insert(key, kv.alloc(512))
+    ck = tree.add_checkpoint(r.node, 512, h.alloc(groups), nbytes=100, ready=ready)
+    return tree, kv, h, key, ck
+
+
+def test_inv1_match_pins_every_group_before_caller_allocates():
+    tree, kv, h, key, ck = tree_with_checkpoint()
+    m = tree.match_prefix(key + [1])
+    assert m.restore_len == 512 and m.pin is not None
+    versions = {x: h.version[x] for x in m.handles}
+    # the caller now allocates a private slot; the pool is full, so it evicts everything it can
+    freed = tree.evict(num_tokens=10_000, num_bytes=10_000)
+    assert not set(freed.handles) & set(m.handles) and not freed.kv_indices
+    h.free(freed.handles)
+    assert all(h.version[x] == versions[x] for x in m.handles)  # the COW source is intact
+    tree.release_pin(m.pin)
+    freed = tree.evict(num_tokens=10_000, num_bytes=10_000)
+    assert sorted(freed.handles) == sorted(m.handles) and len(freed.kv_indices) == 512
+    with pytest.raises(ValueError):
+        tree.release_pin(m.pin)
+    tree.check_invariants()
+
+
+def test_inv2_checkpoint_registered_this_step_is_not_matchable_until_landed():
+    tree, kv, h, key, ck = tree_with_checkpoint(ready=False)
+    assert tree.match_prefix(key + [1]).restore_len == 0
+    # nor evictable: its slot has a write in flight
+    assert tree.evict(num_bytes=10_000).handles == []
+    with pytest.raises(CheckpointBusy):
+        tree.drop_checkpoint(ck)
+    assert tree.commit_step() == 1
+    assert tree.match_prefix(key + [1], pin=False).restore_len == 512
+
+
+def test_inv3_dropping_one_group_invalidates_all_siblings_atomically():
+    tree, kv, h, key, ck = tree_with_checkpoint(groups=4)
+    handles = list(ck.handles)
+    freed = tree.invalidate_group(ck, 2)
+    assert sorted(freed.handles) == sorted(handles)
+    assert tree.checkpoint_count() == 0 and tree.checkpoint_bytes() == 0
+    assert tree.match_prefix(key + [1]).restore_len == 0
+    assert tree.stats.invalidated_checkpoints == 1
+    tree.check_invariants()
+
+
+def test_inv3_pinned_boundary_cannot_lose_one_group():
+    tree, kv, h, key, ck = tree_with_checkpoint()
+    m = tree.match_prefix(key + [1])
+    with pytest.raises(CheckpointBusy):
+        tree.invalidate_group(ck, 0)
+    assert ck.complete
+    tree.release_pin(m.pin)
+
+
+def test_lock_refs_never_negative():
+    tree, kv, h, key, ck = tree_with_checkpoint()
+    r = tree.insert(key, tree.path_kv(ck.node))
+    tree.inc_lock_ref(r.node)
+    assert tree.protected_size() == 512 and tree.evictable_size() == 0
+    tree.dec_lock_ref(r.node)
+    with pytest.raises(AssertionError):
+        tree.dec_lock_ref(r.node)
+    assert tree.evictable_size() == 512

@@ -1,0 +1,58 @@
+"""Placement flags and recycling of superseded intermediate checkpoints."""
+from sglang_k3.cache import CheckpointKind as K, IntPool, K3RadixTree, PlacementPolicy
+
+
+def test_plan_prefill_positions_and_flags():
+    pol = PlacementPolicy()
+    plan = pol.plan_prefill(prompt_len=1000, chunk_ends=[256, 512, 768, 1000], branch_point=300)
+    # the last chunk ends at the prompt end, which PROMPT_END covers (rounded down to 960)
+    assert plan == {256: K.CHUNK | K.BRANCH, 512: K.CHUNK, 768: K.CHUNK, 960: K.PROMPT_END}
+    off = PlacementPolicy(at_chunk_end=False, at_branch_points=False)
+    assert off.plan_prefill(1000, [256, 512, 1000], branch_point=300) == {960: K.PROMPT_END}
+    assert pol.plan_prefill(1000, [512, 1000], restore_len=512) == {960: K.PROMPT_END}
+
+
+def test_decode_interval_and_generation_end():
+    pol = PlacementPolicy(decode_interval=1024)
+    assert pol.decode_checkpoint(2048) and not pol.decode_checkpoint(2049)
+    assert not PlacementPolicy().decode_checkpoint(2048)
+    assert pol.generation_end(1000) == 960 and pol.generation_end(10) is None
+    assert PlacementPolicy(at_generation_end=False).generation_end(1000) is None
+
+
+def run_request(tree, h, kv, key, positions):
+    r = tree.insert(key, kv.alloc(len(key)))
+    cks = {p: tree.add_checkpoint(r.node, p, h.alloc(1), 10, kind=k, ready=True) for p, k in positions.items()}
+    return r.node, cks
+
+
+def test_recycle_drops_superseded_chunks_but_keeps_branch_points_and_turn_ends():
+    tree, kv, h = K3RadixTree(num_groups=1), IntPool(10_000), IntPool(100)
+    key = list(range(1024))
+    node, cks = run_request(tree, h, kv, key, {256: K.CHUNK, 512: K.PROMPT_END, 768: K.CHUNK, 1024: K.CHUNK})
+    tree.insert(key[:768] + [-1] * 64, kv.alloc(832))  # a sibling forks at 768: branch point
+    node = tree.match_prefix(key + [0], pin=False).node
+    freed = tree.recycle_path(node, PlacementPolicy())
+    assert freed.handles == cks[256].handles
+    assert sorted(c.pos for c in tree.path_checkpoints(node)) == [512, 768, 1024]
+    assert tree.stats.recycled_checkpoints == 1
+
+
+def test_per_path_budget():
+    tree, kv, h = K3RadixTree(num_groups=1), IntPool(10_000), IntPool(100)
+    key = list(range(1024))
+    pos = {p: K.PROMPT_END for p in range(128, 1025, 128)}  # 8 non-recyclable kinds
+    node, cks = run_request(tree, h, kv, key, pos)
+    freed = tree.recycle_path(node, PlacementPolicy(per_path_budget=3))
+    assert sorted(c.pos for c in tree.path_checkpoints(node)) == [768, 896, 1024]
+    assert len(freed.handles) == 5
+
+
+def test_recycle_skips_pinned_and_unlanded():
+    tree, kv, h = K3RadixTree(num_groups=1), IntPool(10_000), IntPool(100)
+    key = list(range(512))
+    node, cks = run_request(tree, h, kv, key, {128: K.CHUNK, 512: K.CHUNK})
+    m = tree.match_prefix(key[:200])  # pins 128
+    assert tree.recycle_path(node, PlacementPolicy()).handles == []
+    tree.release_pin(m.pin)
+    assert tree.recycle_path(node, PlacementPolicy()).handles == cks[128].handles
