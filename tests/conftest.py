@@ -1,0 +1,47 @@
+"""Shared fixtures: one real server per configuration, started once per test session.
+
+A CPU server start costs 20-60 s, so servers are session-scoped and started lazily: a test run
+that selects only unit tests starts none.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from server_utils import Server  # noqa: E402
+
+# Flags per configuration, on top of launch_server's defaults (embedded model, CPU defaults).
+SERVER_CONFIGS: dict[str, list[str]] = {
+    "nocache": ["--disable-radix-cache"],
+    "upstream": ["--radix-cache-backend", "upstream"],
+}
+
+_servers: dict[str, Server] = {}
+
+
+def get_server(name: str) -> Server:
+    srv = _servers.get(name)
+    if srv is None or not srv.alive():
+        srv = Server(name, SERVER_CONFIGS[name]).start()
+        _servers[name] = srv
+        print(f"\n[server {name}] healthy after {srv.start_seconds:.1f}s at {srv.url}", file=sys.stderr)
+    return srv
+
+
+@pytest.fixture(scope="session")
+def server_factory():
+    yield get_server
+    for srv in _servers.values():
+        srv.stop()
+    _servers.clear()
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> str:
+    from sglang_k3.model.tiny_build import default_model_path
+
+    return default_model_path()
