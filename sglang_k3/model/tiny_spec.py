@@ -85,7 +85,10 @@ class TinyK3Spec:
             "moe_intermediate_size": self.moe_intermediate_size,
             "moe_renormalize": True,
             "moe_router_activation_func": "sigmoid",
-            "routed_scaling_factor": 2.0,
+            # 1.0: SGLang 0.5.23's native (CPU) MoE path never applies routed_scaling_factor
+            # (KimiMoE leaves it to a TopK fusion that only CUDA backends take), so any other
+            # value makes the served model differ from the architecture's reference.
+            "routed_scaling_factor": 1.0,
             "first_k_dense_replace": self.first_dense_layers,
             "moe_layer_freq": 1,
             "use_grouped_topk": True,
@@ -106,4 +109,4 @@ class TinyK3Spec:
         }
 
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
