@@ -19,7 +19,12 @@ import logging
 logger = logging.getLogger(__name__)
 
 # Filled in as patch modules are added (module names relative to this package).
-PATCH_MODULES: list[str] = []
+PATCH_MODULES: list[str] = [
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "rms_norm_gated",
+    "kda_triton_kernel",
+]
 
 _registered = False
 

@@ -141,7 +141,7 @@ def test_chunk_varlen_with_initial_states_and_checkpoints(seed, lens, H, K, V):
         # recurrence chunk by chunk, chaining its final state.
         ref = h0[n : n + 1]
         for i in range(math.ceil(L / CHUNK_SIZE)):
-            assert_close(h[0, int(offsets[n]) + i], ref[0], what=f"h seq {n} chunk {i}")
+            assert_close(h[0, int(offsets[n]) + i], ref[0], tol=2e-5, what=f"h seq {n} chunk {i}")
             c0, c1 = a + CHUNK_SIZE * i, min(a + CHUNK_SIZE * (i + 1), b)
             _, ref = naive_recurrent_kda(
                 q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], g[:, c0:c1], beta[:, c0:c1],

@@ -1,0 +1,69 @@
+"""CPU replacement for upstream's Triton causal conv1d update (KDA/Mamba decode)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_update_torch
+
+logger = logging.getLogger(__name__)
+
+TARGET = "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update"
+REASON = "causal_conv1d_update is Triton-only off is_cpu() (env-gated); KDA decode calls it"
+UPSTREAM_VERSION = "0.5.23"
+CPU_ONLY = True
+
+
+def causal_conv1d_update_cpu(
+    x,
+    conv_state,
+    weight,
+    bias=None,
+    activation=None,
+    cache_seqlens=None,
+    conv_state_indices=None,
+    num_accept_tokens=None,
+    intermediate_conv_window=None,
+    intermediate_state_indices=None,
+    retrieve_next_token=None,
+    retrieve_next_sibling=None,
+    retrieve_parent_token=None,
+    pad_slot_id=PAD_SLOT_ID,
+    metadata=None,
+    validate_data=False,
+):
+    """Upstream's signature; plain decode only (no circular buffer, no speculative windows)."""
+    if cache_seqlens is not None:
+        raise NotImplementedError("causal_conv1d_update(cache_seqlens=...) on CPU")
+    if any(
+        t is not None
+        for t in (
+            num_accept_tokens,
+            intermediate_conv_window,
+            retrieve_next_token,
+            retrieve_next_sibling,
+            retrieve_parent_token,
+        )
+    ):
+        raise NotImplementedError("speculative causal_conv1d_update on CPU")
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    return causal_conv1d_update_torch(
+        x,
+        conv_state,
+        weight,
+        bias,
+        activation=activation,
+        conv_state_indices=conv_state_indices,
+        pad_slot_id=pad_slot_id,
+    )
+
+
+def register() -> None:
+    if torch.cuda.is_available():
+        logger.debug("CUDA present: keeping upstream %s", TARGET)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, causal_conv1d_update_cpu, HookType.REPLACE)
