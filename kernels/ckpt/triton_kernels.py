@@ -13,6 +13,8 @@ Index arithmetic is int64 (a K3 active pool exceeds 2**31 elements).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -20,15 +22,21 @@ import triton.language as tl
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
-@triton.jit
-def _rint(y):
-    # round half to even (torch.round), exact for |y| < 2**22; written out so that it has no
-    # libdevice dependency (the interpreter has none) and matches the reference bit for bit
-    f = tl.floor(y)
-    diff = y - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    up = (diff > 0.5) | ((diff == 0.5) & odd)
-    return tl.where(up, f + 1.0, f)
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    @triton.jit
+    def _rint(y):
+        # round half to even, exact for |y| < 2**22: the interpreter has no libdevice
+        f = tl.floor(y)
+        diff = y - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+        up = (diff > 0.5) | ((diff == 0.5) & odd)
+        return tl.where(up, f + 1.0, f)
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _rint(y):
+        return libdevice.rint(y)  # one cvt.rni: round half to even, as torch.round
 
 
 @triton.jit
@@ -72,15 +80,16 @@ def _quant_scatter_kernel(
         m = (ov[:, None] < V) & (ok[None, :] < K)
         inner = h * (V * K) + ov[:, None] * K + ok[None, :]
         x = tl.load(x_ptr + l * x_sl + s * x_ss + inner, mask=m, other=0.0).to(tl.float32)
-        ax = tl.abs(x)
-        nbad = tl.sum(tl.sum(tl.where(ax <= FLT_MAX, 0, 1), axis=1), axis=0)
+        # NaN counts as +Inf in the column max: a NaN/Inf anywhere in the tile shows up in amax,
+        # so the non-finite check is a reduction over BK values, not over the whole tile
+        ax = tl.where(x == x, tl.abs(x), float("inf"))
         amax = tl.max(ax, axis=0)
+        nbad = tl.sum(tl.where(amax <= FLT_MAX, 0, 1))
         okk = amax > 1e-30
         scale = tl.where(okk, tl.math.div_rn(amax, 127.0), 0.0)
         inv = tl.where(okk, tl.math.div_rn(127.0, tl.where(okk, amax, 1.0)), 0.0)
+        # |x * inv| <= 127 * (1 + 2**-23) so rint stays in [-127, 127]: no clamp needed
         qf = _rint(x * inv[None, :])
-        qf = tl.minimum(tl.maximum(qf, -127.0), 127.0)
-        qf = tl.where(qf == qf, qf, 0.0)
         tl.store(q_ptr + l * q_sl + d * q_ss + inner, qf.to(tl.int8), mask=m)
         tl.store(sc_ptr + l * sc_sl + d * sc_ss + h * K + ok, scale, mask=ok < K)
     else:
@@ -152,9 +161,12 @@ def _slot_copy_kernel(
         nbad = pid * 0
         if CHECK:
             # the source and the value stored: catches NaN/Inf and bf16 overflow alike
-            a = tl.abs(x.to(tl.float32))
-            b = tl.abs(y.to(tl.float32))
-            nbad = tl.sum(tl.where((a <= FLT_MAX) & (b <= FLT_MAX), 0, 1))
+            if y_ptr.dtype.element_ty == x_ptr.dtype.element_ty:
+                a = tl.abs(x.to(tl.float32))
+            else:
+                a = tl.maximum(tl.abs(x.to(tl.float32)), tl.abs(y.to(tl.float32)))
+                a = tl.where(x == x, a, float("inf"))
+            nbad = tl.sum(tl.where(a <= FLT_MAX, 0, 1))
     else:
         nbad = pid * 0
         if HAS_CONV:
@@ -195,14 +207,13 @@ def _store_intermediate_kernel(
         ax = tl.abs(x)
         inner = h * (V * K) + ov[:, None] * K + ok[None, :]
         if QUANT:
-            nbad = tl.sum(tl.sum(tl.where(ax <= FLT_MAX, 0, 1), axis=1), axis=0)
+            ax = tl.where(x == x, ax, float("inf"))
             amax = tl.max(ax, axis=0)
+            nbad = tl.sum(tl.where(amax <= FLT_MAX, 0, 1))
             okk = amax > 1e-30
             scale = tl.where(okk, tl.math.div_rn(amax, 127.0), 0.0)
             inv = tl.where(okk, tl.math.div_rn(127.0, tl.where(okk, amax, 1.0)), 0.0)
             qf = _rint(x * inv[None, :])
-            qf = tl.minimum(tl.maximum(qf, -127.0), 127.0)
-            qf = tl.where(qf == qf, qf, 0.0)
             tl.store(q_ptr + d * q_ss + inner, qf.to(tl.int8), mask=m)
             tl.store(sc_ptr + d * sc_ss + h * K + ok, scale, mask=ok < K)
         else:
@@ -256,19 +267,30 @@ def _conv_args(src_conv, dst_conv, src_layer_major: bool):
     return (src_conv, *ls(src_conv, src_layer_major), dst_conv, *ls(dst_conv, not src_layer_major)), n
 
 
+def _flags(n, dev, bad):
+    """Per-pair non-finite flags. Kernels only ever set a flag, so they need zeros to start from:
+    a caller that keeps a persistent zeroed buffer (and re-zeroes it only after a hit) saves the
+    memset launch per call."""
+    if bad is None:
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
+    if bad.dtype != torch.int32 or bad.numel() < n or bad.device != dev:
+        raise ValueError("bad must be a zeroed int32 device tensor with at least n_pairs entries")
+    return bad
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
 def quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots,
-                  *, BK: int = 32, BC: int = 4096, num_warps: int = 4) -> torch.Tensor:
+                  *, BK: int = 32, BC: int = 4096, num_warps: int = 2, bad=None) -> torch.Tensor:
     L, _, H, V, K = src_temporal.shape
     dev = src_temporal.device
     si, di = _idx(src_slots, dev), _idx(dst_slots, dev)
     n = si.numel()
-    bad = torch.zeros(n, dtype=torch.int32, device=dev)
+    bad = _flags(n, dev, bad)
     if n == 0:
-        return bad.bool()
+        return bad[:0].bool()
     _check_inner(src_temporal, 2, "active temporal")
     _check_inner(dst_q, 2, "checkpoint q")
     conv, conv_n = _conv_args(src_conv, dst_conv, True)
@@ -282,11 +304,11 @@ def quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv,
         H=H, V=V, K=K, VP=_next_pow2(V), BK=BK, BC=BC, HAS_CONV=src_conv is not None,
         num_warps=num_warps,
     )
-    return bad.bool()
+    return bad[:n].bool()
 
 
 def gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, BK: int = 32, BC: int = 4096, num_warps: int = 4) -> None:
+                   *, BK: int = 64, BC: int = 4096, num_warps: int = 8) -> None:
     L, _, H, V, K = dst_temporal.shape
     dev = dst_temporal.device
     si, di = _idx(src_slots, dev), _idx(dst_slots, dev)
@@ -309,10 +331,10 @@ def gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv
 
 
 def _slot_copy(src_t, src_conv, si, dst_t, dst_conv, di, src_layer_major: bool, check: bool,
-               BT: int, BC: int, num_warps: int):
+               BT: int, BC: int, num_warps: int, bad=None):
     dev = src_t.device
     n = si.numel()
-    bad = torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
+    bad = _flags(n, dev, bad) if check else si  # unused (never written) without the check
     if n == 0:
         return bad[:0].bool()
     _check_inner(src_t, 2, "src temporal")
@@ -330,18 +352,18 @@ def _slot_copy(src_t, src_conv, si, dst_t, dst_conv, di, src_layer_major: bool, 
         *conv, si, di, bad, N, conv_n,
         BT=BT, BC=BC, HAS_CONV=src_conv is not None, CHECK=check, num_warps=num_warps,
     )
-    return bad.bool()
+    return bad[:n].bool() if check else None
 
 
 def copy_to_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                 *, BT: int = 4096, BC: int = 4096, num_warps: int = 4) -> torch.Tensor:
+                 *, BT: int = 1024, BC: int = 4096, num_warps: int = 4, bad=None) -> torch.Tensor:
     dev = src_temporal.device
     return _slot_copy(src_temporal, src_conv, _idx(src_slots, dev), dst_temporal, dst_conv,
-                      _idx(dst_slots, dev), True, True, BT, BC, num_warps)
+                      _idx(dst_slots, dev), True, True, BT, BC, num_warps, bad)
 
 
 def copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, BT: int = 4096, BC: int = 4096, num_warps: int = 4) -> None:
+                   *, BT: int = 1024, BC: int = 4096, num_warps: int = 4) -> None:
     dev = src_temporal.device
     _slot_copy(src_temporal, src_conv, _idx(src_slots, dev), dst_temporal, dst_conv,
                _idx(dst_slots, dev), False, False, BT, BC, num_warps)
@@ -349,12 +371,12 @@ def copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, ds
 
 def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, state_v_first=False,
                        conv_src=None, token_ends=None, dst_conv=None,
-                       BK: int = 32, BC: int = 4096, num_warps: int = 4) -> torch.Tensor:
+                       BK: int = 32, BC: int = 4096, num_warps: int = 2, bad=None) -> torch.Tensor:
     H, V, K = dst_q.shape[2:]
     dev = h.device
     ci, di = _idx(chunk_idx, dev), _idx(dst_slots, dev)
     n = ci.numel()
-    bad = torch.zeros(max(n, 1), dtype=torch.int32, device=dev)
+    bad = _flags(n, dev, bad)
     if n == 0:
         return bad[:0].bool()
     hf = h.reshape((-1,) + tuple(h.shape[-3:]))
@@ -374,9 +396,10 @@ def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, stat
         conv_d = conv_src.shape[-1]
         conv_n = dst_conv.shape[-1]
         conv_w = conv_n // conv_d
-        te = _idx(token_ends, dev)
-        if int(te.min()) < conv_w:
-            raise ValueError("a boundary is closer than the conv width to the stream start")
+        if not torch.is_tensor(token_ends):  # host values: check without a device sync
+            if min(int(x) for x in token_ends) < conv_w:
+                raise ValueError("a boundary is closer than the conv width to the stream start")
+        te = _idx(token_ends, dev)  # device tensors are the caller's responsibility (no sync)
         cd_l = dst_conv[:, layer]
         conv = (conv_src, conv_src.stride(0), cd_l, dst_conv.stride(0))
     else:

@@ -95,6 +95,10 @@ class CheckpointPool:
         self._sealed = [False] * n
         self._layers_written: List[set] = [set() for _ in range(n)]
         self._free = list(range(n - 1, -1, -1))
+        # persistent per-pair non-finite flags for the CUDA kernels (they only set flags): saves a
+        # memset launch per store; re-zeroed only after a refusal
+        self._flags = (torch.zeros(n, dtype=torch.int32, device=self.device)
+                       if self.device.type == "cuda" else None)
         self.active_temporal: Optional[torch.Tensor] = None
         self.active_conv: Optional[torch.Tensor] = None
 
@@ -220,6 +224,8 @@ class CheckpointPool:
 
     def _finish(self, ckpt_slots: Sequence[int], bad: torch.Tensor, layers) -> StoreResult:
         bad_l = bad.tolist()  # one device->host sync per call
+        if any(bad_l) and self._flags is not None:
+            self._flags.zero_()
         accepted, rejected = [], []
         for s, b in zip(ckpt_slots, bad_l):
             if b:
@@ -233,6 +239,10 @@ class CheckpointPool:
         if rejected:
             self._ref_release(rejected)
         return StoreResult(accepted, rejected)
+
+    def _kw(self, t: torch.Tensor) -> dict:
+        return {"bad": self._flags} if (self._flags is not None and K.triton_available(t)
+                                        and self.use_triton is not False) else {}
 
     def _ref_release(self, slots):
         for s in slots:
@@ -252,9 +262,10 @@ class CheckpointPool:
             return StoreResult([], [])
         if self.dtype == torch.int8:
             bad = K.quant_scatter(t, c, active_slots, self.q, self.scale, self.conv, ckpt_slots,
-                                  use_triton=self.use_triton)
+                                  use_triton=self.use_triton, **self._kw(t))
         else:
-            bad = K.copy_to_ckpt(t, c, active_slots, self.q, self.conv, ckpt_slots, use_triton=self.use_triton)
+            bad = K.copy_to_ckpt(t, c, active_slots, self.q, self.conv, ckpt_slots, use_triton=self.use_triton,
+                                 **self._kw(t))
         return self._finish(ckpt_slots, bad, range(self.L))
 
     def restore(self, ckpt_slots: Sequence[int], active_slots: Sequence[int], *,
@@ -302,7 +313,7 @@ class CheckpointPool:
             return StoreResult([], [])
         bad = K.store_intermediate(h, list(chunk_idx), layer, self.q, self.scale, ckpt_slots,
                                    state_v_first=state_v_first, conv_src=conv_src, token_ends=token_ends,
-                                   dst_conv=self.conv, use_triton=self.use_triton)
+                                   dst_conv=self.conv, use_triton=self.use_triton, **self._kw(h))
         return self._finish(ckpt_slots, bad, [layer])
 
     # ------------------------------------------------------------------ inspection
