@@ -27,6 +27,8 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
 # The embedded model is an fp32 checkpoint; kimi_linear builds one projection with the config
 # dtype, so `--dtype auto` would mix dtypes.
 EMBEDDED_MODEL_DEFAULTS: list[tuple[str, str | None]] = [("--dtype", "float32")]
+# sglang-k3's cache is the default; `--radix-cache-backend upstream` selects SGLang's own.
+CACHE_DEFAULTS: list[tuple[str, str | None]] = [("--radix-cache-backend", "k3")]
 
 
 def _given(argv: list[str], *flags: str) -> bool:
@@ -57,6 +59,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
             os.environ[ENV_HOME] = cfg.embedded_model_dir
         print("sglang-k3: no --model-path given; serving the embedded tiny K3 model", file=sys.stderr)
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
+    rest = _with_defaults(rest, CACHE_DEFAULTS)
     if cfg.cpu_defaults and cpu_platform_wanted():
         rest = _with_defaults(rest, CPU_DEFAULTS)
     return rest, cfg

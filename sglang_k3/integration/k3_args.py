@@ -19,6 +19,10 @@ ENV_CONFIG = "SGLANG_K3_CONFIG"
 class K3Config:
     embedded_model_dir: str | None = None
     cpu_defaults: bool = True
+    checkpoint_chunk_end: bool = True
+    checkpoint_prompt_end: bool = True
+    checkpoint_generation_end: bool = True
+    checkpoint_budget: int = 8
 
     def to_env(self) -> None:
         os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
@@ -43,11 +47,44 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule "
         "--max-mamba-cache-size 32). Flags given explicitly always win over these defaults.",
     )
+    g.add_argument(
+        "--k3-no-chunk-checkpoints",
+        action="store_true",
+        help="k3 cache: do not checkpoint the KDA state at the end of each prefill chunk.",
+    )
+    g.add_argument(
+        "--k3-no-prompt-checkpoints",
+        action="store_true",
+        help="k3 cache: do not checkpoint the KDA state at the end of each prompt.",
+    )
+    g.add_argument(
+        "--k3-no-generation-checkpoints",
+        action="store_true",
+        help="k3 cache: do not keep the KDA state at the end of each generation (the turn "
+        "boundary the next turn of a conversation matches; donated, not copied).",
+    )
+    g.add_argument(
+        "--k3-checkpoint-budget",
+        type=int,
+        default=8,
+        metavar="N",
+        help="k3 cache: at most N checkpoints kept on one root-to-leaf path; superseded chunk "
+        "checkpoints are recycled first (0: no cap; default 8).",
+    )
     return g
 
 
 def from_namespace(ns: argparse.Namespace) -> K3Config:
-    return K3Config(embedded_model_dir=ns.k3_embedded_model_dir, cpu_defaults=not ns.k3_no_cpu_defaults)
+    if ns.k3_checkpoint_budget < 0:
+        raise SystemExit("--k3-checkpoint-budget must be >= 0")
+    return K3Config(
+        embedded_model_dir=ns.k3_embedded_model_dir,
+        cpu_defaults=not ns.k3_no_cpu_defaults,
+        checkpoint_chunk_end=not ns.k3_no_chunk_checkpoints,
+        checkpoint_prompt_end=not ns.k3_no_prompt_checkpoints,
+        checkpoint_generation_end=not ns.k3_no_generation_checkpoints,
+        checkpoint_budget=ns.k3_checkpoint_budget,
+    )
 
 
 def current() -> K3Config:

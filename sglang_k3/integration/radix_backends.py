@@ -3,8 +3,13 @@
 - ``upstream``: exactly what SGLang builds when no backend is named (its default selection
   chain: for hybrid KDA models, ``UnifiedRadixCache`` with FULL + MAMBA components). It exists so
   the baseline can be selected by name and compared side by side with ``k3``.
+- ``k3``: sglang-k3's KDA-aware cache (:mod:`sglang_k3.integration.k3_cache`) for hybrid KDA
+  models. For a model without KDA/mamba state, or with ``--disable-radix-cache``, it builds what
+  ``upstream`` builds: there is no state to be aware of, or nothing to cache.
 """
 from __future__ import annotations
+
+import logging
 
 from sglang.srt.mem_cache.registry import (
     default_radix_cache_factory,
@@ -13,8 +18,23 @@ from sglang.srt.mem_cache.registry import (
 )
 
 UPSTREAM = "upstream"
+K3 = "k3"
+
+logger = logging.getLogger(__name__)
+
+
+def k3_factory(ctx):
+    if ctx.disable_radix_cache or not ctx.is_hybrid_ssm:
+        logger.info("k3 radix cache not used (disabled or no KDA state); building upstream's")
+        return default_radix_cache_factory(ctx)
+    from sglang_k3.integration.k3_args import current
+    from sglang_k3.integration.k3_cache import K3RadixCache
+
+    return K3RadixCache(ctx.params, current())
 
 
 def register() -> None:
     if get_radix_cache_factory(UPSTREAM) is None:
         register_radix_cache_backend(UPSTREAM, default_radix_cache_factory)
+    if get_radix_cache_factory(K3) is None:
+        register_radix_cache_backend(K3, k3_factory)

@@ -1,0 +1,292 @@
+"""The ``k3`` radix cache: SGLang's prefix-cache interface over the pure-Python KDA-aware tree.
+
+Why a direct ``BasePrefixCache`` and not a subclass of upstream's unified-cache components: the
+tree logic (two-phase lookup, checkpoints anywhere inside a node, Marconi-style utility eviction,
+the three K3 concurrency invariants) lives in :mod:`sglang_k3.cache`, torch-free, so the same
+code runs here and in the trace-replay simulator. Upstream's MAMBA component keeps one state per
+node end and validates a hit node by node; wrapping it would mean two trees. This class only
+translates: SGLang requests, tensors and pools in, ints and handles to the tree, and back.
+
+The contract with SGLang 0.5.23's scheduler is written down in ``docs/sglang_cache_contract.md``.
+In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer``:
+
+* **Checkpoints are mamba-pool slots** (handle = slot index), one KDA group per TP rank (this
+  class serves one rank, so one group). They come from the same allocator as the requests'
+  active slots, so SGLang's idle leak check stays exact.
+* **Hit (copy-on-write)**: ``match_prefix`` pins the matched checkpoint (invariant 1), then gives
+  the request a private slot (evicting checkpoints if needed: the pinned one cannot go) and sets
+  ``mamba_cow_src_index``; SGLang copies on the forward stream before the KDA layers. The pin is
+  released when ``match_prefix`` returns: from admission on, ``req.lock`` on the checkpoint's node
+  protects it until the request is released.
+* **Chunk end / prompt end** (request still running): the live slot is copied into a new slot,
+  which the tree keeps; the request keeps its slot (a second slot only at a checkpoint boundary).
+* **Finish (donate)**: when the state length equals the key length, the request's slot itself is
+  handed to the tree, no copy. Otherwise it is freed: a state is never stored under a key it
+  does not belong to.
+* **Ready flag (invariant 2)**: a checkpoint enters the tree not ready and is marked ready right
+  after its copy is issued. On CPU the copy is synchronous; on a GPU it is enqueued on the
+  forward stream ahead of any forward that could read it.
+* **Full match**: the tree caps the restore point at ``len(key) - 1`` and rounds down to the
+  nearest checkpoint, so a fully cached prompt still reuses everything up to that checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+
+from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, PlacementPolicy
+from sglang_k3.integration.k3_args import K3Config
+from sglang_k3.state.active_slots import SlotPool
+
+logger = logging.getLogger(__name__)
+
+
+class K3RadixCache(BasePrefixCache):
+    def __init__(self, params, cfg: K3Config):
+        if params.page_size not in (1, None):
+            raise ValueError(f"--radix-cache-backend k3 needs --page-size 1 (got {params.page_size})")
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = 1
+        self.disable = False
+        self.cfg = cfg
+        self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
+        self.placement = PlacementPolicy(
+            hit_unit=1,
+            at_chunk_end=cfg.checkpoint_chunk_end,
+            at_prompt_end=cfg.checkpoint_prompt_end,
+            at_generation_end=cfg.checkpoint_generation_end,
+            per_path_budget=cfg.checkpoint_budget or None,
+        )
+        # hit_unit=1: checkpoints sit exactly where the forward left a state (chunk, prompt and
+        # generation ends); the kernel's 64-token grid adds more positions, never fewer.
+        self.tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=EvictionPolicy())
+        self.root_node = self.tree.root
+        self._kv_device = self.req_to_token_pool.req_to_token.device
+        logger.info("k3 radix cache: checkpoint slot %d bytes, placement %s", self.slots.slot_bytes, self.placement)
+
+    # ---------------------------------------------------------------- identity
+    def supports_mamba(self) -> bool:
+        return True
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> Any:
+        return self.tree.root
+
+    @staticmethod
+    def _namespaced(key) -> bool:
+        return key.extra_key is not None or key.cache_salt is not None
+
+    # ---------------------------------------------------------------- match
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key = params.key
+        root = self.tree.root
+        miss = MatchResult(device_prefix_len=0, last_device_node=root, last_host_node=root, best_match_node=root)
+        if self._namespaced(key) or len(key) == 0:
+            return miss  # LoRA / cache-salt namespaces are not shared through this tree
+        tokens = list(key.raw_token_ids())
+        res = self.tree.match_prefix(tokens, pin=params.cow_mamba)
+        if res.restore_len == 0:
+            return miss
+        if params.cow_mamba:
+            try:
+                self._cow_into_request(params.req, res.handles[0])
+            finally:
+                self.tree.release_pin(res.pin)
+        node = res.node
+        return MatchResult(
+            device_prefix_len=res.restore_len,
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+            full_kv_hit_length=res.mla_len,
+        )
+
+    def _cow_into_request(self, req, src_slot: int) -> None:
+        """Give ``req`` a private slot whose state will be a copy of checkpoint ``src_slot``."""
+        if not req.kv.holds_mamba:
+            dst = self.slots.alloc()
+            if dst is None:
+                raise RuntimeError("k3 cache: no KDA state slot free for a cache hit")
+            req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
+        req.kv.mamba_cow_src_index = self.slots.index_tensor(src_slot)
+        req.kv.mamba_needs_clear = False
+
+    # ---------------------------------------------------------------- locks and paths
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if node is not None and node is not self.tree.root:
+            self.tree.inc_lock_ref(node)
+        return IncLockRefResult()
+
+    def dec_lock_ref(self, node: Any, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
+        if node is not None and node is not self.tree.root:
+            self.tree.dec_lock_ref(node)
+        return DecLockRefResult()
+
+    def path_device_indices(self, node: Any) -> torch.Tensor:
+        kv = [] if node is self.tree.root else self.tree.path_kv(node)
+        return torch.tensor(kv, dtype=torch.int64, device=self._kv_device)
+
+    # ---------------------------------------------------------------- insert / checkpoint
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        finished = req.finished()
+        row = req.kv.req_pool_idx
+        if _request_namespaced(req) or up_to <= 0:
+            if finished:
+                self._free_request_slot(req)
+            return
+        tokens = list(req.full_untruncated_fill_ids[:up_to])
+        kv_row = self.req_to_token_pool.req_to_token[row, :up_to]
+        ins = self.tree.insert(tokens, kv_row.tolist())
+        if ins.duplicate_kv:
+            self.token_to_kv_pool_allocator.free(
+                torch.tensor(ins.duplicate_kv, dtype=torch.int64, device=self._kv_device)
+            )
+        start = req.kv.cache_protected_len
+        if ins.inserted_len > start:
+            tree_kv = self.path_device_indices(ins.node)
+            self.req_to_token_pool.req_to_token[row, start : ins.inserted_len] = tree_kv[start : ins.inserted_len].to(
+                self.req_to_token_pool.req_to_token.dtype
+            )
+        self.unlock(req.lock)
+        req.lock = self.lock(ins.node)
+        req.last_node = ins.node
+        req.kv.cache_protected_len = ins.inserted_len
+        if hasattr(req.kv, "cache_inserted_len"):
+            req.kv.cache_inserted_len = ins.inserted_len
+        if finished:
+            self._checkpoint_finished(req, ins.node, up_to)
+        else:
+            self._checkpoint_running(req, ins.node, up_to)
+
+    def _kind_for_running(self, req, up_to: int) -> Optional[CheckpointKind]:
+        prompt_len = len(req.origin_input_ids)
+        if up_to >= prompt_len:
+            return CheckpointKind.PROMPT_END if self.placement.at_prompt_end else None
+        return CheckpointKind.CHUNK if self.placement.at_chunk_end else None
+
+    def _checkpoint_running(self, req, node, up_to: int) -> None:
+        kind = self._kind_for_running(req, up_to)
+        if kind is None or not req.kv.holds_mamba or self._has_checkpoint_at(node, up_to):
+            return
+        # Pin the request's path while allocating (invariant 1): eviction cannot take it.
+        self.tree.inc_lock_ref(node)
+        try:
+            slot = self.slots.alloc()
+        finally:
+            self.tree.dec_lock_ref(node)
+        if slot is None:
+            return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
+        self.slots.copy(int(req.kv.mamba_pool_idx), slot)
+        self._register(node, up_to, slot, kind)
+
+    def _checkpoint_finished(self, req, node, up_to: int) -> None:
+        if not req.kv.holds_mamba:
+            return
+        donate = (
+            self.placement.at_generation_end
+            and up_to == req.kv.kv_committed_len  # the slot's state is exactly at up_to
+            and not self._has_checkpoint_at(node, up_to)
+        )
+        if donate:
+            slot = int(req.kv.mamba_pool_idx)
+            req.kv.mamba_pool_idx = None  # the tree owns it now
+            self._register(node, up_to, slot, CheckpointKind.GEN_END)
+        else:
+            self._free_request_slot(req)
+
+    def _has_checkpoint_at(self, node, pos: int) -> bool:
+        return any(ck.pos == pos for ck in self.tree.path_checkpoints(node))
+
+    def _register(self, node, pos: int, slot: int, kind: CheckpointKind) -> None:
+        ck = self.tree.add_checkpoint(node, pos, [slot], self.slots.slot_bytes, kind=kind, ready=False)
+        if ck is None:
+            self.slots.free([slot])
+            return
+        self.tree.mark_ready(ck)  # the copy (or donation) has been issued: see module docstring
+        freed = self.tree.recycle_path(node, self.placement)
+        self.slots.free(freed.handles)
+
+    def _free_request_slot(self, req) -> None:
+        if req.kv.holds_mamba:
+            self.slots.free([int(req.kv.mamba_pool_idx)])
+            req.kv.mamba_pool_idx = None
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self._free_request_slot(req)
+
+    # ---------------------------------------------------------------- eviction and sizes
+    def _evict_slots(self, n: int) -> int:
+        freed = self.tree.evict(num_bytes=n * self.slots.slot_bytes)
+        self.slots.free(freed.handles)
+        if freed.kv_indices:
+            self.token_to_kv_pool_allocator.free(torch.tensor(freed.kv_indices, dtype=torch.int64, device=self._kv_device))
+        return len(freed.handles)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        result = EvictResult()
+        if params.num_tokens > 0:
+            freed = self.tree.evict(num_tokens=params.num_tokens)
+            if freed.kv_indices:
+                self.token_to_kv_pool_allocator.free(
+                    torch.tensor(freed.kv_indices, dtype=torch.int64, device=self._kv_device)
+                )
+            self.slots.free(freed.handles)
+            result.num_tokens_evicted = len(freed.kv_indices)
+            result.mamba_num_evicted += len(freed.handles)
+        if params.mamba_num > 0:
+            result.mamba_num_evicted += self._evict_slots(params.mamba_num)
+        return result
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree.protected_size()
+
+    full_evictable_size = evictable_size
+    full_protected_size = protected_size
+
+    def mamba_evictable_size(self) -> int:
+        return self.tree.evictable_checkpoint_bytes() // self.slots.slot_bytes
+
+    def mamba_protected_size(self) -> int:
+        return self.tree.checkpoint_count() - self.mamba_evictable_size()
+
+    def total_size(self) -> int:
+        return self.tree.total_size()
+
+    def reset(self) -> None:
+        # SGLang clears the KV and mamba allocators right after (flush_cache): drop, don't free.
+        if hasattr(self, "tree"):
+            self.tree.reset()
+            self.root_node = self.tree.root
+
+    # ---------------------------------------------------------------- observability
+    def stats_dict(self) -> dict:
+        d = self.tree.stats.as_dict()
+        d.update(
+            checkpoint_count=self.tree.checkpoint_count(),
+            checkpoint_bytes=self.tree.checkpoint_bytes(),
+            kv_tokens=self.tree.total_size(),
+        )
+        return d
+
+    def pretty_print(self) -> None:
+        print(f"k3 radix cache: {self.stats_dict()}")
+
+
+def _request_namespaced(req) -> bool:
+    """Requests in a LoRA / cache-salt namespace are not shared through this tree."""
+    return getattr(req, "extra_key", None) is not None or getattr(req, "cache_salt", None) is not None
