@@ -14,7 +14,7 @@ Chunked form over chunks of ``BT = 64`` tokens (``gc`` = cumulative log decay in
     S'        = diag(exp(gc_last)) S + (exp(gc_last - gc) * k)^T v_new
 
 Every exponent is formed as a difference that is ``<= 0`` (``gc`` is non-increasing), so nothing
-overflows however strong the decay: off-diagonal 16x16 blocks of ``L``/``Aqk`` factor through the
+overflows however strong the decay: off-diagonal 8x8 blocks of ``L``/``Aqk`` factor through the
 last token of the earlier block, diagonal blocks are computed pairwise.
 
 Varlen batches are packed chunk by chunk (no padding to the longest sequence); only the
@@ -29,7 +29,7 @@ import torch
 from .gate_torch import l2norm
 
 CHUNK_SIZE = 64
-_SUB = 16  # sub-block size for the factorized intra-chunk scores
+_SUB = 8  # sub-block size for the factorized intra-chunk scores
 
 
 def _seq_lens(cu_seqlens: torch.Tensor) -> list[int]:
