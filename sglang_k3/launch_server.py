@@ -23,6 +23,8 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--mamba-radix-cache-strategy", "no_buffer"),
     ("--disable-overlap-schedule", None),
     ("--max-mamba-cache-size", "32"),
+    # An idle scheduler otherwise spins a core; several CPU servers on one machine starve.
+    ("--sleep-on-idle", None),
 ]
 # The embedded model is an fp32 checkpoint; kimi_linear builds one projection with the config
 # dtype, so `--dtype auto` would mix dtypes.

@@ -18,6 +18,9 @@ from server_utils import Server  # noqa: E402
 SERVER_CONFIGS: dict[str, list[str]] = {
     "nocache": ["--disable-radix-cache"],
     "upstream": ["--radix-cache-backend", "upstream"],
+    "k3": [],  # launch_server's default backend is k3
+    # Small prefill chunks and small pools: chunk checkpoints, recycling and eviction happen.
+    "k3_small": ["--chunked-prefill-size", "96", "--max-total-tokens", "1536", "--max-mamba-cache-size", "12"],
 }
 
 _servers: dict[str, Server] = {}

@@ -45,7 +45,7 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="On a machine without CUDA, do not add the CPU serving defaults (--device cpu "
         "--attention-backend torch_native --max-total-tokens 8192 --skip-server-warmup "
         "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule "
-        "--max-mamba-cache-size 32). Flags given explicitly always win over these defaults.",
+        "--max-mamba-cache-size 32 --sleep-on-idle). Flags given explicitly always win over these defaults.",
     )
     g.add_argument(
         "--k3-no-chunk-checkpoints",
