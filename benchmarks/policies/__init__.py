@@ -1,0 +1,22 @@
+"""Cache policies the trace replay compares. Each drives the real ``sglang_k3.cache`` tree
+(see ``base.py``); one module per policy documents the rules it models."""
+from __future__ import annotations
+
+from benchmarks.policies.base import Admission, Policy, SimConfig
+from benchmarks.policies.fa_budget import FaBudgetPolicy
+from benchmarks.policies.k3 import K3Policy
+from benchmarks.policies.marconi import MarconiPolicy
+from benchmarks.policies.oracle import OraclePolicy
+from benchmarks.policies.upstream import UpstreamPolicy
+from benchmarks.policies.vllm_align import VllmAlignPolicy
+
+POLICIES = {
+    "k3": K3Policy,
+    "upstream": UpstreamPolicy,
+    "vllm-align": VllmAlignPolicy,
+    "marconi": MarconiPolicy,
+    "oracle": OraclePolicy,
+    "fa-budget": FaBudgetPolicy,
+}
+
+__all__ = ["POLICIES", "Admission", "Policy", "SimConfig"]
