@@ -24,6 +24,9 @@ PATCH_MODULES: list[str] = [
     "causal_conv1d_update",
     "rms_norm_gated",
     "kda_triton_kernel",
+    "kda_backend_forward_extend",
+    "kda_triton_extend_export",
+    "tokenizer_manager_validate",
 ]
 
 _registered = False

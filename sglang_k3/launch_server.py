@@ -60,6 +60,9 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         if cfg.embedded_model_dir:
             os.environ[ENV_HOME] = cfg.embedded_model_dir
         print("sglang-k3: no --model-path given; serving the embedded tiny K3 model", file=sys.stderr)
+        # Keep the KDA conv state in fp32 like the rest of this fp32 model (SGLang's default is
+        # bf16), so greedy outputs equal the fp32 reference token for token.
+        os.environ.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     if cfg.cpu_defaults and cpu_platform_wanted():

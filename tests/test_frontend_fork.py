@@ -11,9 +11,9 @@ PREFIX_LEN = 200
 
 
 @sgl.function
-def branches(s, prefix, n):
+def branches(s, prefix, num_branches):
     s += prefix
-    forks = s.fork(n)
+    forks = s.fork(num_branches)
     for i, f in enumerate(forks):
         f += f" Branch {i} asks:"
         f += sgl.gen("answer", max_tokens=6, temperature=0)
@@ -26,7 +26,7 @@ def test_fork_program_runs_and_branches_report_cached_tokens(server_factory):
     rng = random.Random(3)
     prefix = "".join(chr(rng.choice(PRINTABLE)) for _ in range(PREFIX_LEN))
     backend = sgl.RuntimeEndpoint(s.url)
-    state = branches.run(prefix=prefix, n=3, backend=backend)
+    state = branches.run(prefix=prefix, num_branches=3, backend=backend)
     assert state.error() is None
     metas = state.ret_value
     assert len(metas) == 3

@@ -44,6 +44,8 @@ def causal_conv1d_varlen_torch(
 ) -> torch.Tensor:
     """Varlen causal conv1d prefill with conv-state in/out. ``x`` ``[dim, T]`` -> ``[dim, T]``."""
     dim, T = x.shape
+    if T == 0:  # nothing to convolve; every conv state stays as it was
+        return torch.empty_like(x)
     W = weight.shape[1]
     P = W - 1
     cu = query_start_loc.to(torch.long).cpu()

@@ -64,6 +64,7 @@ class K3RadixTree:
         page_size: int = 1,
         hit_unit: int = 64,
         eviction: Optional[EvictionPolicy] = None,
+        lock_protects_checkpoints: bool = True,
     ) -> None:
         if num_groups < 1 or page_size < 1 or hit_unit < 1:
             raise ValueError("num_groups, page_size and hit_unit must be >= 1")
@@ -71,6 +72,10 @@ class K3RadixTree:
         self.page_size = page_size
         self.hit_unit = hit_unit
         self.policy = eviction or EvictionPolicy()
+        # True: a checkpoint on a locked path is never evicted. False: only pins protect it
+        # (a caller whose requests keep private state copies needs a checkpoint only until its
+        # copy has landed, and pins exactly that window).
+        self.lock_protects_checkpoints = lock_protects_checkpoints
         self.stats = CacheStats()
         self._clock = 0
         self._next_id = 0
@@ -365,7 +370,9 @@ class K3RadixTree:
         return n
 
     def _ckpt_evictable(self, ck: Checkpoint) -> bool:
-        return ck.pins == 0 and ck.ready and ck.node is not None and ck.node.lock_ref == 0
+        if ck.pins or not ck.ready or ck.node is None:
+            return False
+        return ck.node.lock_ref == 0 or not self.lock_protects_checkpoints
 
     def drop_checkpoint(self, ck: Checkpoint) -> Freed:
         """Remove one boundary, every group at once; its KV stays (pass-through node)."""

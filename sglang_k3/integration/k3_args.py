@@ -22,6 +22,7 @@ class K3Config:
     checkpoint_chunk_end: bool = True
     checkpoint_prompt_end: bool = True
     checkpoint_generation_end: bool = True
+    checkpoint_branch_points: bool = True
     checkpoint_budget: int = 8
 
     def to_env(self) -> None:
@@ -64,6 +65,12 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "boundary the next turn of a conversation matches; donated, not copied).",
     )
     g.add_argument(
+        "--k3-no-branch-checkpoints",
+        action="store_true",
+        help="k3 cache: do not checkpoint at radix branch points (where a new request diverges "
+        "from a cached path, found by matching it before its prefill, as Marconi does).",
+    )
+    g.add_argument(
         "--k3-checkpoint-budget",
         type=int,
         default=8,
@@ -83,6 +90,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_chunk_end=not ns.k3_no_chunk_checkpoints,
         checkpoint_prompt_end=not ns.k3_no_prompt_checkpoints,
         checkpoint_generation_end=not ns.k3_no_generation_checkpoints,
+        checkpoint_branch_points=not ns.k3_no_branch_checkpoints,
         checkpoint_budget=ns.k3_checkpoint_budget,
     )
 

@@ -16,8 +16,10 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
 * **Hit (copy-on-write)**: ``match_prefix`` pins the matched checkpoint (invariant 1), then gives
   the request a private slot (evicting checkpoints if needed: the pinned one cannot go) and sets
   ``mamba_cow_src_index``; SGLang copies on the forward stream before the KDA layers. The pin is
-  released when ``match_prefix`` returns: from admission on, ``req.lock`` on the checkpoint's node
-  protects it until the request is released.
+  held until that copy has landed: it is released at the request's first ``checkpoint`` (after
+  its first forward), at release, or when the request is matched again. ``req.lock`` protects the
+  request's KV path, not the checkpoints on it: the request's state is its own private copy, so
+  checkpoints stay evictable while it runs (a small state pool cannot be locked up by paths).
 * **Chunk end / prompt end** (request still running): the live slot is copied into a new slot,
   which the tree keeps; the request keeps its slot (a second slot only at a checkpoint boundary).
 * **Finish (donate)**: when the state length equals the key length, the request's slot itself is
@@ -49,6 +51,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, PlacementPolicy
 from sglang_k3.integration.k3_args import K3Config
 from sglang_k3.state.active_slots import SlotPool
+from sglang_k3.state.export_stash import STASH
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +71,20 @@ class K3RadixCache(BasePrefixCache):
             at_chunk_end=cfg.checkpoint_chunk_end,
             at_prompt_end=cfg.checkpoint_prompt_end,
             at_generation_end=cfg.checkpoint_generation_end,
+            at_branch_points=cfg.checkpoint_branch_points,
             per_path_budget=cfg.checkpoint_budget or None,
         )
         # hit_unit=1: checkpoints sit exactly where the forward left a state (chunk, prompt and
         # generation ends); the kernel's 64-token grid adds more positions, never fewer.
-        self.tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=EvictionPolicy())
+        self.tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=EvictionPolicy(),
+                                lock_protects_checkpoints=False)
+        # Pins held until a request's copy-on-write has landed, by request id: (request, pin).
+        self._pins: dict[str, tuple[Any, Any]] = {}
         self.root_node = self.tree.root
         self._kv_device = self.req_to_token_pool.req_to_token.device
+        # Branch points found at match time (Marconi-style speculative insertion), by request id.
+        self._branch_points: dict[str, int] = {}
+        STASH.enabled = True  # the extend forward keeps its chunk-boundary states for us
         logger.info("k3 radix cache: checkpoint slot %d bytes, placement %s", self.slots.slot_bytes, self.placement)
 
     # ---------------------------------------------------------------- identity
@@ -96,14 +106,22 @@ class K3RadixCache(BasePrefixCache):
         if self._namespaced(key) or len(key) == 0:
             return miss  # LoRA / cache-salt namespaces are not shared through this tree
         tokens = list(key.raw_token_ids())
+        if params.cow_mamba and params.req is not None and self.placement.at_branch_points:
+            bp = self.tree.find_branch_point(tokens)
+            if bp:
+                self._branch_points[params.req.rid] = bp
+        if params.cow_mamba and params.req is not None:
+            self._release_pin(params.req.rid)  # a re-match replaces the previous one
         res = self.tree.match_prefix(tokens, pin=params.cow_mamba)
         if res.restore_len == 0:
             return miss
         if params.cow_mamba:
             try:
                 self._cow_into_request(params.req, res.handles[0])
-            finally:
+            except BaseException:
                 self.tree.release_pin(res.pin)
+                raise
+            self._pins[params.req.rid] = (params.req, res.pin)
         node = res.node
         return MatchResult(
             device_prefix_len=res.restore_len,
@@ -112,6 +130,16 @@ class K3RadixCache(BasePrefixCache):
             best_match_node=node,
             full_kv_hit_length=res.mla_len,
         )
+
+    def _release_pin(self, rid) -> None:
+        held = self._pins.pop(rid, None)
+        if held is not None:
+            self.tree.release_pin(held[1])
+
+    def _release_finished_pins(self) -> None:
+        """Aborted waiting requests never reach ``on_release``: drop their pins."""
+        for rid in [rid for rid, (req, _) in self._pins.items() if req.finished()]:
+            self._release_pin(rid)
 
     def _cow_into_request(self, req, src_slot: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``src_slot``."""
@@ -140,6 +168,7 @@ class K3RadixCache(BasePrefixCache):
 
     # ---------------------------------------------------------------- insert / checkpoint
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        self._release_pin(req.rid)  # a forward has run since the match: the copy has landed
         finished = req.finished()
         row = req.kv.req_pool_idx
         if _request_namespaced(req) or up_to <= 0:
@@ -165,10 +194,47 @@ class K3RadixCache(BasePrefixCache):
         req.kv.cache_protected_len = ins.inserted_len
         if hasattr(req.kv, "cache_inserted_len"):
             req.kv.cache_inserted_len = ins.inserted_len
+        if req.kv.holds_mamba:
+            self._store_exported(req, ins.node, up_to)
         if finished:
             self._checkpoint_finished(req, ins.node, up_to)
         else:
             self._checkpoint_running(req, ins.node, up_to)
+
+    def _store_exported(self, req, node, up_to: int) -> None:
+        """Keep chunk-boundary states the extend just exported: the last one before the prompt
+        end (so a repeated or fully contained prompt still hits) and the one at or before a
+        branch point found at match time (so requests sharing only that prefix hit)."""
+        seq = STASH.lookup(int(req.kv.mamba_pool_idx), up_to)
+        if seq is None:
+            return
+        grid = seq.grid()
+        if not grid:
+            return
+        wanted: dict[int, CheckpointKind] = {}
+        if self.placement.at_prompt_end and up_to >= len(req.origin_input_ids):
+            wanted[grid[-1]] = CheckpointKind.PROMPT_END
+        bp = self._branch_points.get(req.rid)
+        if bp is not None:
+            below = [g for g in grid if g <= bp]
+            if below:
+                wanted[below[-1]] = wanted.get(below[-1], CheckpointKind(0)) | CheckpointKind.BRANCH
+        for pos, kind in sorted(wanted.items()):
+            if self._has_checkpoint_at(node, pos):
+                continue
+            slot = self._alloc_slot_pinned(node)
+            if slot is None:
+                return
+            STASH.store(seq, pos, slot, self.req_to_token_pool)
+            self._register(node, pos, slot, kind)
+
+    def _alloc_slot_pinned(self, node) -> Optional[int]:
+        """A free slot, evicting if needed, with the request's path pinned (invariant 1)."""
+        self.tree.inc_lock_ref(node)
+        try:
+            return self.slots.alloc()
+        finally:
+            self.tree.dec_lock_ref(node)
 
     def _kind_for_running(self, req, up_to: int) -> Optional[CheckpointKind]:
         prompt_len = len(req.origin_input_ids)
@@ -180,12 +246,7 @@ class K3RadixCache(BasePrefixCache):
         kind = self._kind_for_running(req, up_to)
         if kind is None or not req.kv.holds_mamba or self._has_checkpoint_at(node, up_to):
             return
-        # Pin the request's path while allocating (invariant 1): eviction cannot take it.
-        self.tree.inc_lock_ref(node)
-        try:
-            slot = self.slots.alloc()
-        finally:
-            self.tree.dec_lock_ref(node)
+        slot = self._alloc_slot_pinned(node)
         if slot is None:
             return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
         self.slots.copy(int(req.kv.mamba_pool_idx), slot)
@@ -224,10 +285,13 @@ class K3RadixCache(BasePrefixCache):
             req.kv.mamba_pool_idx = None
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self._release_pin(req.rid)
+        self._branch_points.pop(req.rid, None)
         self._free_request_slot(req)
 
     # ---------------------------------------------------------------- eviction and sizes
     def _evict_slots(self, n: int) -> int:
+        self._release_finished_pins()
         freed = self.tree.evict(num_bytes=n * self.slots.slot_bytes)
         self.slots.free(freed.handles)
         if freed.kv_indices:
@@ -272,6 +336,9 @@ class K3RadixCache(BasePrefixCache):
         if hasattr(self, "tree"):
             self.tree.reset()
             self.root_node = self.tree.root
+            self._branch_points.clear()
+            self._pins.clear()
+            STASH.clear()
 
     # ---------------------------------------------------------------- observability
     def stats_dict(self) -> dict:

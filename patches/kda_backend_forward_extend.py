@@ -1,0 +1,53 @@
+"""Record each KDA extend's sequences and pre-conv input for checkpoint export.
+
+The k3 cache keeps states at chunk boundaries that the extend forward computes anyway. Upstream
+only exports them for its own ``extra_buffer`` tracking; under ``no_buffer`` they are dropped.
+This AROUND hook tells the export stash which sequences (by active slot, prefix and extend length)
+this forward covers and which KDA layer is running, so the kernel hook can keep its ``h``.
+It does nothing unless the k3 cache enabled the stash.
+"""
+from __future__ import annotations
+
+import torch
+
+from sglang_k3.state.export_context import CURRENT_EXTEND
+from sglang_k3.state.export_stash import STASH
+
+TARGET = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend.forward_extend"
+REASON = "no_buffer drops the chunk-boundary states the k3 cache checkpoints without a second forward"
+UPSTREAM_VERSION = "0.5.23"
+CPU_ONLY = False
+
+
+def _exportable(backend, forward_batch, mixed_qkv) -> bool:
+    return (
+        STASH.enabled
+        and isinstance(mixed_qkv, torch.Tensor)
+        and not forward_batch.forward_mode.is_target_verify()
+        and getattr(backend, "prefill_graph_metadata", None) is None
+        and forward_batch.extend_prefix_lens_cpu is not None
+        and forward_batch.extend_seq_lens_cpu is not None
+    )
+
+
+def forward_extend_recording(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    if not _exportable(self, forward_batch, mixed_qkv):
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    STASH.begin(
+        id(forward_batch),
+        layer.layer_id,
+        self.forward_metadata.mamba_cache_indices.tolist(),
+        list(forward_batch.extend_prefix_lens_cpu),
+        list(forward_batch.extend_seq_lens_cpu),
+    )
+    token = CURRENT_EXTEND.set((layer.layer_id, mixed_qkv))
+    try:
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    finally:
+        CURRENT_EXTEND.reset(token)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, forward_extend_recording, HookType.AROUND)

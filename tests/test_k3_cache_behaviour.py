@@ -1,0 +1,58 @@
+"""Behaviour of the ``k3`` cache through the real server, and the A/B hit rate against upstream."""
+from __future__ import annotations
+
+import random
+
+import requests
+
+from workloads import random_tokens, run_conversations
+
+
+def _flush(s):
+    requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+
+
+def test_fully_contained_prompt_still_hits(server_factory):
+    """Upstream's known failure: a prompt entirely in the cache gets 0. Here the state exported
+    at the last 64-token boundary before the prompt end is kept, so it hits there."""
+    s = server_factory("k3")
+    _flush(s)
+    ids = random_tokens(random.Random(11), 150)
+    first = s.generate(ids, 5)
+    again = s.generate(ids, 5)
+    assert again["meta_info"]["cached_tokens"] == 128
+    assert again["output_ids"] == first["output_ids"]
+    shorter = s.generate(ids[:140], 5)  # contained in the cached path, ends mid-chunk
+    assert shorter["meta_info"]["cached_tokens"] == 128
+
+
+def test_branch_point_is_checkpointed(server_factory):
+    """Two requests share a 100-token prefix; the second one's prefill keeps the state at the
+    last chunk boundary before the branch, so a third sibling hits there."""
+    s = server_factory("k3")
+    _flush(s)
+    rng = random.Random(12)
+    shared = random_tokens(rng, 100)
+    a = s.generate(shared + random_tokens(rng, 50), 3)
+    b = s.generate(shared + random_tokens(rng, 50), 3)
+    assert a["meta_info"]["cached_tokens"] == 0 and b["meta_info"]["cached_tokens"] == 0
+    c = s.generate(shared + random_tokens(rng, 50), 3)
+    assert c["meta_info"]["cached_tokens"] == 64
+
+
+def _hit_rate(records) -> float:
+    return sum(r["cached_tokens"] for r in records) / sum(r["prompt_len"] for r in records)
+
+
+def test_ab_hit_rate_k3_at_least_upstream(server_factory):
+    """Multi-turn conversations whose turns extend the previous turn, same workload on both."""
+    k3, up = server_factory("k3"), server_factory("upstream")
+    _flush(k3)
+    _flush(up)
+    rates = {}
+    for name, s in (("k3", k3), ("upstream", up)):
+        records = run_conversations(s, seed=31, n_conv=3, n_turns=4)
+        rates[name] = _hit_rate(records)
+    print(f"\nA/B token hit rate: k3 {rates['k3']:.3f} upstream {rates['upstream']:.3f}")
+    assert rates["k3"] >= rates["upstream"]
+    assert rates["k3"] > 0.3
