@@ -1,0 +1,397 @@
+"""Live A/B of the k3 radix cache against SGLang's own hybrid cache: ``python -m benchmarks.live_ab``.
+
+Starts two real servers from this repo (``python -m sglang_k3.launch_server``), identical except
+``--radix-cache-backend k3`` vs ``--radix-cache-backend upstream``, and drives both with the same
+workloads, one server at a time (the other sits idle with ``--sleep-on-idle``), flushing the cache
+before each workload:
+
+1. ``gsp``: SGLang's own ``python -m sglang.bench_serving --dataset-name generated-shared-prefix``;
+2. ``multiturn``: concurrent conversations whose every turn extends the previous one
+   (prompt = previous prompt + the server's greedy reply + new user tokens);
+3. ``trace``: a scaled slice of a Mooncake trace replayed with real token ids (the hash-id -> token
+   rules of ``benchmarks/trace/mooncake.py``; a next turn sees the previous turn's real reply).
+
+Per (workload, cache): TTFT p50/p90 (client-side, to the first streamed token), output tokens/s
+(output tokens / wall time of the workload), token hit rate (sum ``meta_info.cached_tokens`` / sum
+prompt tokens), prefill tokens computed (prompt - cached), and k3/upstream ratios. Greedy outputs of
+the two servers are compared request by request on ``multiturn`` and ``trace`` (and, as text, on
+``gsp``). Writes ``OUT/results.json`` and ``OUT/live_ab.png``.
+
+Exit status: 0 ok; 1 a server or workload failed; 2 every selected workload was skipped; 3 the run finished but greedy outputs differ
+between the caches or requests failed (see ``greedy`` / ``errors`` in the JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
+DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "live_ab")
+DEFAULT_LOGS = os.path.join(REPO, "benchmarks", "results", "tmp", "live_ab_logs")
+CACHES = ("k3", "upstream")
+WORKLOADS = ("gsp", "multiturn", "trace")
+RATIO_METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tok_per_s", "prefill_tokens")
+SCHEMA = "sglang_k3.live_ab/1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.live_ab",
+        description=__doc__.split("\n\n")[0] + " Starts a k3 server and an upstream-cache server, runs the "
+        "same workloads on each in turn, and writes OUT/results.json and OUT/live_ab.png. Default sizes "
+        "take ~5-10 minutes on 2 CPU cores.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("servers")
+    g.add_argument("--model-path", default=None,
+                   help="model to serve (passed as --model-path to both servers); default: the embedded tiny "
+                   "model, sglang_k3.model.tiny_build.default_model_path()")
+    g.add_argument("--extra-server-args", default="",
+                   help="extra flags for BOTH servers, one shell-quoted string, e.g. \"--chunked-prefill-size 256\"")
+    g.add_argument("--k3-server-args", default="",
+                   help="extra flags for the k3 server only (e.g. \"--k3-checkpoint-dtype fp32\"); recorded in the JSON")
+    g.add_argument("--upstream-server-args", default="", help="extra flags for the upstream server only")
+    g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
+    g.add_argument("--out", default=DEFAULT_OUT, help="output folder for results.json and live_ab.png")
+    g.add_argument("--log-dir", default=DEFAULT_LOGS, help="server and bench_serving logs (git-ignored by default)")
+    g.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    g.add_argument("--seed", type=int, default=1, help="seed of the synthetic prompts (same for both caches)")
+    g.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+
+    g = p.add_argument_group("gsp: sglang.bench_serving --dataset-name generated-shared-prefix")
+    g.add_argument("--gsp-groups", type=int, default=2, help="--gsp-num-groups (distinct shared system prompts)")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=4, help="--gsp-prompts-per-group")
+    g.add_argument("--gsp-system-len", type=int, default=384, help="--gsp-system-prompt-len (tokens)")
+    g.add_argument("--gsp-question-len", type=int, default=32, help="--gsp-question-len (tokens)")
+    g.add_argument("--gsp-output-len", type=int, default=8, help="--gsp-output-len (tokens)")
+    g.add_argument("--gsp-concurrency", type=int, default=2, help="bench_serving --max-concurrency")
+
+    g = p.add_argument_group("multiturn: concurrent conversations, each turn extends the previous one")
+    g.add_argument("--mt-conversations", type=int, default=3, help="concurrent conversations")
+    g.add_argument("--mt-turns", type=int, default=4, help="turns per conversation")
+    g.add_argument("--mt-system-len", type=int, default=128, help="system prompt tokens shared by all conversations")
+    g.add_argument("--mt-first-len", type=int, default=128, help="user tokens of the first turn")
+    g.add_argument("--mt-user-len", type=int, default=48, help="new user tokens per later turn")
+    g.add_argument("--mt-reply-len", type=int, default=8, help="greedy reply tokens per turn (max_new_tokens)")
+
+    g = p.add_argument_group("trace: a scaled slice of a Mooncake trace with real token ids")
+    g.add_argument("--trace", default=DEFAULT_TRACE,
+                   help="Mooncake JSONL trace; the workload is skipped with a message when the file is missing")
+    g.add_argument("--trace-requests", type=int, default=8, help="requests in the slice")
+    g.add_argument("--trace-window", type=int, default=1000,
+                   help="take the slice's multi-turn conversations from the first N trace requests")
+    g.add_argument("--trace-scale", type=int, default=32,
+                   help="divide input lengths, output lengths and the 512-token hash block by this (must divide 512)")
+    g.add_argument("--trace-max-output", type=int, default=16, help="cap on scaled output lengths (tokens)")
+    g.add_argument("--trace-concurrency", type=int, default=4, help="requests in flight at once")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"--workloads: unknown {bad}; choose from {','.join(WORKLOADS)}")
+    for name in ("gsp_groups", "gsp_prompts_per_group", "gsp_concurrency", "mt_conversations", "mt_turns",
+                 "mt_reply_len", "trace_requests", "trace_window", "trace_scale", "trace_max_output",
+                 "trace_concurrency", "gsp_output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if 512 % args.trace_scale:
+        p.error("--trace-scale must divide 512 (1, 2, 4, ..., 512)")
+    if args.mt_system_len + args.mt_first_len < 1:
+        p.error("--mt-system-len + --mt-first-len must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- results
+def ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def compute_ratios(records: list) -> list:
+    """k3/upstream per workload and metric, from the records' own numbers."""
+    by = {(r["workload"], r["cache"]): r for r in records}
+    out = []
+    for w in dict.fromkeys(r["workload"] for r in records):
+        k, u = by.get((w, "k3")), by.get((w, "upstream"))
+        if k is None or u is None:
+            continue
+        out.append({"workload": w, **{m: ratio(k[m], u[m]) for m in RATIO_METRICS}})
+    return out
+
+
+def compare_outputs(a: dict, b: dict) -> dict:
+    """Request-by-request greedy comparison of two caches' outputs."""
+    keys = sorted(set(a) & set(b))
+    details = []
+    for k in keys:
+        x, y = a[k], b[k]
+        if x != y:
+            first = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            details.append({"request": k, "first_diff": first, "k3_len": len(x), "upstream_len": len(y)})
+    return {"compared": len(keys), "mismatches": len(details), "missing": len(set(a) ^ set(b)), "details": details[:20]}
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    try:
+        import sglang
+        import torch
+
+        info["sglang"], info["torch"] = sglang.__version__, torch.__version__
+        info["cuda"] = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return info
+
+
+def git_info() -> dict:
+    def run(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    dirty = run("status", "--porcelain", "--", "sglang_k3", "kernels", "patches", "setup.py")
+    return {"commit": run("rev-parse", "HEAD"),
+            "uncommitted_server_code": [ln[3:] for ln in dirty.splitlines()] if dirty else []}
+
+
+def fmt(x, spec=".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def print_table(records: list, ratios: list, greedy: dict) -> None:
+    by = {(r["workload"], r["cache"]): r for r in records}
+    rat = {r["workload"]: r for r in ratios}
+    print("\nworkload   cache     hit rate  TTFT p50  TTFT p90   out tok/s  prefill tok  errors")
+    for w in dict.fromkeys(r["workload"] for r in records):
+        for c in CACHES:
+            r = by.get((w, c))
+            if r:
+                print(f"{w:<10} {c:<9} {fmt(r['hit_rate']):>8} {fmt(r['ttft_p50_s']):>9} {fmt(r['ttft_p90_s']):>9} "
+                      f"{fmt(r['output_tok_per_s'], '.2f'):>11} {r['prefill_tokens']:>12} {r['errors']:>7}")
+        if w in rat:
+            q = rat[w]
+            print(f"{w:<10} {'k3/up':<9} {fmt(q['hit_rate'], '.2f'):>8} {fmt(q['ttft_p50_s'], '.2f'):>9} "
+                  f"{fmt(q['ttft_p90_s'], '.2f'):>9} {fmt(q['output_tok_per_s'], '.2f'):>11} "
+                  f"{fmt(q['prefill_tokens'], '.2f'):>12}")
+    for w, g in greedy.items():
+        print(f"greedy {w}: {g['mismatches']} mismatches of {g['compared']} requests compared"
+              + (f", {g['missing']} missing on one side" if g["missing"] else ""))
+
+
+def plot(records: list, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    by = {(r["workload"], r["cache"]): r for r in records}
+    panels = [("hit_rate", "token hit rate"), ("ttft_p50_s", "TTFT p50 (s); whisker = p90"),
+              ("output_tok_per_s", "output tokens/s"), ("prefill_tokens", "prefill tokens computed")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    width = 0.38
+    colors = {"k3": "#1f77b4", "upstream": "#ff7f0e"}
+    for ax, (metric, label) in zip(axes, panels):
+        for j, c in enumerate(CACHES):
+            xs, ys, err = [], [], []
+            for i, w in enumerate(workloads):
+                r = by.get((w, c))
+                if r is None or r[metric] is None:
+                    continue
+                xs.append(i + (j - 0.5) * width)
+                ys.append(r[metric])
+                if metric == "ttft_p50_s":
+                    err.append(max(0.0, (r["ttft_p90_s"] or r[metric]) - r[metric]))
+            bars = ax.bar(xs, ys, width, label=c, color=colors[c],
+                          yerr=[[0] * len(err), err] if err else None, capsize=3)
+            for b, y in zip(bars, ys):
+                ax.annotate(f"{y:.2f}" if metric != "prefill_tokens" else f"{int(y)}", (b.get_x() + b.get_width() / 2, y),
+                            ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads)
+        ax.set_title(label, fontsize=10)
+        if metric == "hit_rate":
+            ax.set_ylim(0, 1.05)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- run
+def server_args(args, cache: str) -> list:
+    base = (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.extra_server_args)
+    own = shlex.split(args.k3_server_args if cache == "k3" else args.upstream_server_args)
+    return [*base, "--radix-cache-backend", cache, *own]
+
+
+def warm_up(srv, vocab: list) -> None:
+    """Two short requests so first-request costs (lazy init, allocator growth) do not land in a
+    workload, then a flush."""
+    for n in (96, 160):
+        srv.generate([vocab[(i * 7) % len(vocab)] for i in range(n)], 2)
+    srv.flush_cache()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    sys.path.insert(0, REPO)
+    from benchmarks.live import workloads as wl
+    from benchmarks.live.server import Server, ServerStartError
+    from benchmarks.trace.mooncake import TraceError
+
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    os.makedirs(args.out, exist_ok=True)
+    log_dir = args.log_dir
+    if args.model_path:
+        model_dir = args.model_path
+    else:
+        from sglang_k3.model.tiny_build import default_model_path
+
+        model_dir = default_model_path()
+    vocab = wl.vocabulary(model_dir)
+    skipped: dict = {}
+    trace_slice = None
+    if "trace" in args.workloads:
+        if not os.path.exists(args.trace):
+            skipped["trace"] = f"trace file not found: {args.trace} (pass --trace PATH)"
+            print(f"SKIP trace workload: {skipped['trace']}", flush=True)
+        else:
+            try:
+                trace_slice = wl.build_trace_slice(args.trace, requests_n=args.trace_requests, window=args.trace_window,
+                                                   scale=args.trace_scale, max_output=args.trace_max_output)
+            except (TraceError, ValueError) as e:
+                print(f"error: trace workload: {e}", file=sys.stderr)
+                return 1
+            say(f"trace slice: {trace_slice.description['requests']} requests in "
+                f"{trace_slice.description['conversations']} conversations; {trace_slice.description['rule']}")
+    workloads = [w for w in args.workloads if w not in skipped]
+    if not workloads:
+        print("nothing to run: every selected workload was skipped", file=sys.stderr)
+        return 2
+
+    servers = {c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir,
+                         log_prefix="live_ab") for c in CACHES}
+    records, outputs = [], {c: {} for c in CACHES}
+    try:
+        say("starting servers (both boot at once; 20-60 s each on a CPU):")
+        for c, s in servers.items():
+            say(f"  {c}: {shlex.join(s.command)}\n    log {s.log_path}")
+            s.launch()
+        for c, s in servers.items():
+            s.wait_healthy()
+            say(f"  {c} healthy after {s.start_seconds:.0f}s; warming up")
+            warm_up(s, vocab)
+        for wi, w in enumerate(workloads):
+            order = CACHES if wi % 2 == 0 else CACHES[::-1]  # alternate who goes first
+            for c in order:
+                s = servers[c]
+                s.flush_cache()
+                say(f"[{w}] on {c} ({s.url})")
+                t0 = time.time()
+                if w == "gsp":
+                    m, out = wl.run_bench_serving(
+                        s.url, c, model_dir, groups=args.gsp_groups, prompts_per_group=args.gsp_prompts_per_group,
+                        system_len=args.gsp_system_len, question_len=args.gsp_question_len,
+                        output_len=args.gsp_output_len, concurrency=args.gsp_concurrency, seed=args.seed,
+                        log_dir=log_dir, verbose=not args.quiet)
+                elif w == "multiturn":
+                    m, out = wl.run_multiturn(
+                        s.url, c, vocab, conversations=args.mt_conversations, turns=args.mt_turns,
+                        system_len=args.mt_system_len, first_len=args.mt_first_len, user_len=args.mt_user_len,
+                        reply_len=args.mt_reply_len, seed=args.seed, verbose=not args.quiet)
+                else:
+                    m, out = wl.run_trace(s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency,
+                                          verbose=not args.quiet)
+                if not s.alive():
+                    raise RuntimeError(f"server {c} died during {w}:\n{s.log_tail()}")
+                records.append({"workload": w, "cache": c, "order": order.index(c), **m})
+                outputs[c].update(out)
+                say(f"[{w}] on {c}: {m['requests']} requests in {time.time() - t0:.0f}s, hit rate "
+                    f"{fmt(m['hit_rate'])}, TTFT p50 {fmt(m['ttft_p50_s'])}s, {fmt(m['output_tok_per_s'], '.2f')} tok/s")
+    except (ServerStartError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for s in servers.values():
+            s.stop()
+
+    greedy = {}
+    for w in workloads:
+        pre = {"gsp": "gsp/", "multiturn": "conv", "trace": "trace/"}[w]
+        g = compare_outputs({k: v for k, v in outputs["k3"].items() if k.startswith(pre)},
+                            {k: v for k, v in outputs["upstream"].items() if k.startswith(pre)})
+        g["compares"] = "generated text (bench_serving returns no ids)" if w == "gsp" else "greedy output token ids"
+        greedy[w] = g
+    ratios = compute_ratios(records)
+    runtime = time.time() - t_start
+    result = {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.live_ab " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "runtime_s": runtime,
+        "machine": machine_info(),
+        "git": git_info(),
+        "settings": {
+            "model": model_dir,
+            "server_args": {c: servers[c].args for c in CACHES},
+            "server_start_s": {c: servers[c].start_seconds for c in CACHES},
+            "launch_server_cpu_defaults": "see README (device cpu, torch_native, --max-total-tokens 8192, "
+                                          "--sleep-on-idle, ...)",
+            "gsp": {k[4:]: v for k, v in vars(args).items() if k.startswith("gsp_")},
+            "multiturn": {k[3:]: v for k, v in vars(args).items() if k.startswith("mt_")},
+            "trace": (trace_slice.description | {"concurrency": args.trace_concurrency}) if trace_slice else None,
+            "seed": args.seed,
+            "ttft": "client-side, request sent -> first streamed token (gsp: bench_serving's own TTFT)",
+            "output_tok_per_s": "output tokens of the workload / its wall time",
+            "order": "one server at a time; the first cache alternates per workload (record field 'order')",
+        },
+        "skipped": skipped,
+        "records": records,
+        "ratios": ratios,
+        "greedy": greedy,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if records:
+        plot(records, os.path.join(args.out, "live_ab.png"),
+             f"live A/B, k3 vs upstream cache ({os.path.basename(model_dir.rstrip('/'))}, "
+             f"{result['machine'].get('cpus_usable', '?')} CPUs, {time.strftime('%Y-%m-%d')})")
+    print_table(records, ratios, greedy)
+    print(f"\nwrote {os.path.join(args.out, 'results.json')} and live_ab.png in {runtime:.0f}s", flush=True)
+    bad = [w for w in ("multiturn", "trace") if w in greedy and (greedy[w]["mismatches"] or greedy[w]["missing"])]
+    errs = sum(r["errors"] for r in records)
+    if bad or errs:
+        print(f"WARNING: greedy mismatches on {bad or 'none'}; {errs} failed requests", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
