@@ -1,0 +1,148 @@
+"""The live A/B harness (``python -m benchmarks.live_ab``) end to end with the smallest sizes: two
+real servers (k3 and upstream), all three workloads. Checks the output schema, that every derived
+number (hit rate, prefill tokens, k3/upstream ratios) is computed from the measured ones, that
+greedy outputs of the two caches are identical, and that k3 hits at least as much as upstream on
+multi-turn chat. Plus fast checks of the pure helpers and of the CLI's clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import live_ab  # noqa: E402
+from benchmarks.live.client import percentile  # noqa: E402
+
+REAL_TRACE = live_ab.DEFAULT_TRACE
+METRICS = {"requests": int, "errors": int, "prompt_tokens": int, "cached_tokens": int, "prefill_tokens": int,
+           "hit_rate": float, "output_tokens": int, "duration_s": float, "output_tok_per_s": float,
+           "ttft_p50_s": float, "ttft_p90_s": float}
+
+
+def _k3_fp32_args() -> str:
+    """fp32 checkpoints are the bit-exact oracle; pass the flag only where this tree has it."""
+    from sglang_k3.integration import k3_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    k3_args.add_k3_args(p)
+    return "--k3-checkpoint-dtype fp32" if "--k3-checkpoint-dtype" in p._option_string_actions else ""
+
+
+def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.live_ab", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- fast checks
+def test_help_documents_every_flag():
+    r = _run(["--help"], 120)
+    assert r.returncode == 0, r.stderr
+    actions = [a for a in live_ab.build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(actions) >= 25
+    for a in actions:
+        assert a.help and a.option_strings[0] in r.stdout, a.option_strings
+    for flag in ("--model-path", "--extra-server-args", "--trace", "--trace-scale", "--trace-requests",
+                 "--mt-conversations", "--gsp-groups", "--out", "--workloads"):
+        assert flag in r.stdout
+
+
+def test_bad_flags_and_missing_trace_are_clear(tmp_path):
+    r = _run(["--workloads", "nope"], 120)
+    assert r.returncode == 2 and "--workloads" in r.stderr
+    r = _run(["--trace-scale", "3"], 120)
+    assert r.returncode == 2 and "--trace-scale" in r.stderr
+    missing = str(tmp_path / "no_such_trace.jsonl")
+    r = _run(["--workloads", "trace", "--trace", missing, "--out", str(tmp_path)], 120)
+    assert r.returncode == 2
+    assert "SKIP trace workload" in r.stdout and missing in r.stdout
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_ratios_and_comparison_helpers():
+    recs = [{"workload": "w", "cache": "k3", "hit_rate": 0.5, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0,
+             "output_tok_per_s": 3.0, "prefill_tokens": 50},
+            {"workload": "w", "cache": "upstream", "hit_rate": 0.25, "ttft_p50_s": 2.0, "ttft_p90_s": 4.0,
+             "output_tok_per_s": 1.5, "prefill_tokens": 0}]
+    (q,) = live_ab.compute_ratios(recs)
+    assert q == {"workload": "w", "hit_rate": 2.0, "ttft_p50_s": 0.5, "ttft_p90_s": 0.5,
+                 "output_tok_per_s": 2.0, "prefill_tokens": None}
+    g = live_ab.compare_outputs({"a": [1, 2, 3], "b": [4]}, {"a": [1, 9, 3], "b": [4], "c": [5]})
+    assert g["compared"] == 2 and g["mismatches"] == 1 and g["missing"] == 1
+    assert g["details"][0]["first_diff"] == 1
+    assert percentile([3, 1, 2], 50) == 2 and math.isclose(percentile([0, 10], 90), 9.0)
+
+
+@pytest.mark.skipif(not os.path.exists(REAL_TRACE), reason="Mooncake trace not shipped here")
+def test_trace_slice_links_turns_and_scales():
+    from benchmarks.live.workloads import build_trace_slice
+
+    ts = build_trace_slice(REAL_TRACE, requests_n=6, window=1000, scale=32, max_output=16)
+    assert len(ts) == 6 and any(p >= 0 for p in ts.parent)
+    for i, p in enumerate(ts.parent):
+        if p >= 0:  # a later turn holds its parent's prompt, then the parent's output, then new text
+            lp, op = len(ts.prompts[p]), ts.out_len[p]
+            assert ts.prompts[i][:lp] == ts.prompts[p]
+            assert [ts.out_atom.get(s) for s in ts.prompts[i][lp:lp + op]] == [(p, j) for j in range(op)]
+    assert all(1 <= m <= 16 for m in ts.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------- end to end
+SMALL = ["--gsp-groups", "1", "--gsp-prompts-per-group", "2", "--gsp-system-len", "128", "--gsp-question-len", "16",
+         "--gsp-output-len", "2", "--mt-conversations", "2", "--mt-turns", "2", "--mt-system-len", "64",
+         "--mt-first-len", "64", "--mt-user-len", "16", "--mt-reply-len", "2", "--trace-requests", "3",
+         "--trace-scale", "64", "--trace-max-output", "2", "--quiet"]
+
+
+def test_live_ab_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), *SMALL]
+    k3_args = _k3_fp32_args()
+    if k3_args:
+        args += ["--k3-server-args", k3_args]
+    r = _run(args, 600)
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "live_ab.png").stat().st_size > 1000
+    assert res["schema"] == live_ab.SCHEMA
+    for key in ("command", "runtime_s", "machine", "git", "settings", "records", "ratios", "greedy", "skipped"):
+        assert key in res
+    for c in ("k3", "upstream"):  # the two servers differ only in the cache backend (+ the k3 oracle flag)
+        sa = res["settings"]["server_args"][c]
+        assert sa[sa.index("--radix-cache-backend") + 1] == c
+    workloads = ["gsp", "multiturn", "trace"] if os.path.exists(REAL_TRACE) else ["gsp", "multiturn"]
+    by = {(x["workload"], x["cache"]): x for x in res["records"]}
+    assert set(by) == {(w, c) for w in workloads for c in ("k3", "upstream")}
+    expected_requests = {"gsp": 2, "multiturn": 4, "trace": 3}
+    for (w, c), rec in by.items():
+        for k, t in METRICS.items():
+            assert isinstance(rec[k], t), (w, c, k, rec[k])
+        assert rec["requests"] == expected_requests[w] and rec["errors"] == 0
+        assert rec["prefill_tokens"] == rec["prompt_tokens"] - rec["cached_tokens"]
+        assert math.isclose(rec["hit_rate"], rec["cached_tokens"] / rec["prompt_tokens"])
+        assert math.isclose(rec["output_tok_per_s"], rec["output_tokens"] / rec["duration_s"])
+        assert 0 < rec["ttft_p50_s"] <= rec["ttft_p90_s"]
+        assert rec["output_tokens"] > 0
+    # ratios are k3 / upstream of the measured numbers
+    assert {q["workload"] for q in res["ratios"]} == set(workloads)
+    for q in res["ratios"]:
+        k, u = by[(q["workload"], "k3")], by[(q["workload"], "upstream")]
+        for m in live_ab.RATIO_METRICS:
+            if u[m]:
+                assert math.isclose(q[m], k[m] / u[m]), (q["workload"], m)
+            else:
+                assert q[m] is None
+    # the oracle: same greedy tokens with either cache
+    for w in workloads[1:]:
+        g = res["greedy"][w]
+        assert g["compared"] == expected_requests[w] and g["mismatches"] == 0 and g["missing"] == 0, g
+    # turns extend the previous turn, so the multi-turn workload must hit; k3 at least as much as upstream
+    assert by[("multiturn", "k3")]["hit_rate"] > 0
+    assert by[("multiturn", "k3")]["hit_rate"] >= by[("multiturn", "upstream")]["hit_rate"]
