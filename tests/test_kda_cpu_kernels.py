@@ -428,3 +428,19 @@ def test_pool_extend_pad_slot_and_track_state():
     # padded row: computed from a zero state
     o_ref, _ = naive_recurrent_kda(q[:, 130:], k[:, 130:], v[:, 130:], g[:, 130:], beta[:, 130:])
     assert_close(o[:, 130:], o_ref, what="padded-row output")
+
+
+def test_conv1d_varlen_zero_tokens_is_a_no_op():
+    """A zero-length extend (e.g. a request that slipped through with no tokens) must not crash
+    the scheduler and must leave every conv state as it was."""
+    from sglang_k3.kernels.kda.conv1d_torch import causal_conv1d_varlen_torch
+
+    dim, W = 8, 4
+    states = torch.randn(3, dim, W - 1)
+    before = states.clone()
+    out = causal_conv1d_varlen_torch(
+        torch.zeros(dim, 0), torch.randn(dim, W), None, states, torch.tensor([0, 0], dtype=torch.int32),
+        cache_indices=torch.tensor([1]), has_initial_state=torch.tensor([True]),
+    )
+    assert out.shape == (dim, 0)
+    assert torch.equal(states, before)

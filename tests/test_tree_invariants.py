@@ -70,3 +70,25 @@ def test_lock_refs_never_negative():
     with pytest.raises(AssertionError):
         tree.dec_lock_ref(r.node)
     assert tree.evictable_size() == 512
+
+
+@pytest.mark.parametrize("lock_protects", [True, False])
+def test_lock_protects_checkpoints_only_when_asked(lock_protects):
+    """With ``lock_protects_checkpoints=False`` (the server's setting: requests run on private
+    state copies) a lock keeps the KV path but not its checkpoints; pins still protect them."""
+    tree, kv, h = K3RadixTree(num_groups=1, hit_unit=64, lock_protects_checkpoints=lock_protects), IntPool(1000), IntPool(10)
+    key = list(range(128))
+    r = tree.insert(key, kv.alloc(128))
+    ck = tree.add_checkpoint(r.node, 64, h.alloc(1), nbytes=100, ready=True)
+    tree.inc_lock_ref(r.node)
+    freed = tree.evict(num_tokens=1000, num_bytes=1000)
+    assert not freed.kv_indices  # the locked KV path is never evicted
+    assert freed.handles == ([] if lock_protects else ck.handles)
+    tree.dec_lock_ref(r.node)
+    m = tree.match_prefix(key + [7])
+    assert m.restore_len == (64 if lock_protects else 0)
+    if m.pin is not None:
+        freed = tree.evict(num_bytes=1000)
+        assert freed.handles == []  # pinned: the COW source stays
+        tree.release_pin(m.pin)
+    tree.check_invariants()

@@ -141,6 +141,8 @@ class K3RadixTree:
             child = node.children.get(tuple(key[pos : pos + p]))
             if child is not None:
                 return child, _lcp(child.key, key, pos)
+            if p == 1:
+                return None, 0  # one-token pages: a missing first token matches no sibling
         best, best_n = None, 0  # divergence or end of key inside the first page: scan siblings
         for child in node.children.values():
             n = _lcp(child.key[:p], key, pos)
