@@ -27,6 +27,10 @@ PATCH_MODULES: list[str] = [
     "kda_backend_forward_extend",
     "kda_triton_extend_export",
     "tokenizer_manager_validate",
+    "scheduler_internal_state_k3",
+    "scheduler_process_batch_result_k3",
+    "match_kv_cache_k3",
+    "scheduler_output_streamer_k3",
 ]
 
 _registered = False

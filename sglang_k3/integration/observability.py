@@ -1,0 +1,213 @@
+"""Observability of the ``k3`` cache: a ``/server_info`` entry, Prometheus series, per-request fields.
+
+Everything here runs in the scheduler process and reads the cache from outside, as the scheduler
+holds it (``scheduler.tree_cache``); :class:`~sglang_k3.integration.k3_cache.K3RadixCache` is not
+changed. The upstream symbols it is wired to are hooked in ``patches/`` (one module each):
+
+* ``SchedulerInternalStateController.get_internal_state`` (after): adds :data:`SERVER_INFO_KEY`
+  to the scheduler's internal state, which ``GET /server_info`` returns per DP rank under
+  ``internal_states``. (``scheduler_info``, the other source of ``/server_info``, is a snapshot
+  taken at startup.)
+* ``Scheduler.process_batch_result`` (after): refreshes the ``sglang_k3_*`` Prometheus series
+  when ``--enable-metrics`` is on. Every cache event (match, checkpoint, eviction, release)
+  happens while a batch is scheduled or its result processed, so the series are current once
+  the iteration that served a request is over. They are written to prometheus_client's
+  multiprocess directory, which SGLang's ``/metrics`` collects.
+* ``mem_cache.common.match_kv_cache`` (around): after the match that admits a request
+  (``cow_mamba=True``), records on the ``Req`` the restore boundary, the replayed tokens and
+  the KV match length of that lookup, read from the tree's own match record.
+* ``Scheduler.get_output_streamer_class`` (after): selects a ``SchedulerOutputStreamer``
+  subclass that returns those three numbers through upstream's ``customized_info`` channel
+  (``build_additional_customized_info``), which the tokenizer manager merges into
+  ``meta_info``. Nothing is copied from upstream.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple, Optional
+
+logger = logging.getLogger(__name__)
+
+SERVER_INFO_KEY = "k3_cache"
+
+# Per-request ``meta_info`` keys. Upstream's customized_info channel accumulates lists, so each
+# is a one-element list ``[n]`` (the admitting match of the request).
+META_RESTORE_LEN = "k3_restore_len"
+META_REPLAYED_TOKENS = "k3_replayed_tokens"
+META_KV_MATCH_LEN = "k3_kv_match_len"
+META_KEYS = (META_RESTORE_LEN, META_REPLAYED_TOKENS, META_KV_MATCH_LEN)
+
+# Attributes set on SGLang's ``Req`` (namespaced so they cannot collide with upstream's).
+REQ_MATCH_ATTR = "k3_match"
+REQ_SENT_ATTR = "k3_match_sent"
+
+METRIC_PREFIX = "sglang_k3_"
+# stats field -> documentation. Gauges are levels; counters are lifetime totals (they survive
+# /flush_cache, which empties the tree but not the counts) and get prometheus' ``_total``.
+GAUGES: dict[str, str] = {
+    "token_hit_rate": "Restored tokens over looked-up tokens, since start.",
+    "checkpoint_count": "Live KDA state checkpoints in the k3 tree.",
+    "checkpoint_bytes": "Bytes held by live checkpoints.",
+    "checkpoint_slot_bytes": "Bytes of one checkpoint (all KDA layers of one boundary).",
+    "kv_tokens": "MLA KV tokens held by the k3 tree.",
+}
+COUNTERS: dict[str, str] = {
+    "lookups": "Prefix lookups in the k3 tree.",
+    "requested_tokens": "Tokens looked up.",
+    "hit_tokens": "Tokens restored from a checkpoint (sum of restore boundaries).",
+    "mla_hit_tokens": "Tokens whose MLA KV was in the tree at lookup.",
+    "replayed_tokens": "Tokens with KV in the tree recomputed because the nearest checkpoint was earlier.",
+    "evicted_kv_tokens": "KV tokens evicted.",
+    "evicted_checkpoints": "Checkpoints evicted.",
+    "evicted_checkpoint_bytes": "Checkpoint bytes evicted.",
+    "recycled_checkpoints": "Intermediate checkpoints recycled by the per-path placement budget.",
+    "invalidated_checkpoints": "Checkpoints dropped with a sibling group's entry (invariant 3).",
+}
+
+
+def metric_name(field: str) -> str:
+    """The exposed series name for a stats field (counters end in ``_total``)."""
+    return METRIC_PREFIX + field + ("_total" if field in COUNTERS else "")
+
+
+class ReqMatch(NamedTuple):
+    restore_len: int
+    replayed_tokens: int
+    kv_match_len: int
+
+
+def k3_cache_of(tree_cache: Any):
+    """``tree_cache`` if it is the k3 cache, else None (upstream's cache, disabled cache)."""
+    if tree_cache is None:
+        return None
+    from sglang_k3.integration.k3_cache import K3RadixCache
+
+    return tree_cache if isinstance(tree_cache, K3RadixCache) else None
+
+
+def _checkpoint_store(cache):
+    return getattr(cache, "store", None) or cache.slots
+
+
+def server_snapshot(cache) -> dict[str, Any]:
+    """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
+    snap: dict[str, Any] = dict(cache.stats_dict())
+    store = _checkpoint_store(cache)
+    snap["checkpoint_slot_bytes"] = int(store.slot_bytes)
+    snap["checkpoint_dtype"] = str(getattr(store, "dtype", "fp32"))
+    return snap
+
+
+# ---------------------------------------------------------------------------- Prometheus
+class _Exporter:
+    """The ``sglang_k3_*`` series of one scheduler process."""
+
+    def __init__(self, labels: dict[str, Any]):
+        # After PROMETHEUS_MULTIPROC_DIR is set (it is, in the scheduler process), like upstream.
+        from prometheus_client import Counter, Gauge
+
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+        self.gauges = {
+            f: Gauge(metric_name(f), doc, labelnames=names, multiprocess_mode="mostrecent").labels(**self.labels)
+            for f, doc in GAUGES.items()
+        }
+        self.counters = {
+            f: Counter(metric_name(f), doc, labelnames=names).labels(**self.labels) for f, doc in COUNTERS.items()
+        }
+        self.last: dict[str, Any] = {}
+
+    def update(self, snap: dict[str, Any]) -> None:
+        if snap == self.last:
+            return
+        for f, g in self.gauges.items():
+            if snap.get(f) != self.last.get(f):
+                g.set(float(snap[f]))
+        for f, c in self.counters.items():
+            delta = snap[f] - self.last.get(f, 0)
+            if delta > 0:
+                c.inc(delta)
+        self.last = dict(snap)
+
+
+_exporter: Optional[_Exporter] = None
+_exporter_failed = False
+
+
+def _metrics_enabled(scheduler) -> bool:
+    if getattr(scheduler, "metrics_collector", None) is None:
+        return False  # --enable-metrics is off
+    ctx = getattr(scheduler, "metrics_collector_context", None)
+    # Like upstream's series: the stats-logging rank, or all with --enable-metrics-for-all-schedulers.
+    return bool(getattr(ctx, "current_scheduler_metrics_enabled", True))
+
+
+def update_metrics(scheduler, snap: Optional[dict[str, Any]] = None) -> None:
+    """Refresh this scheduler's ``sglang_k3_*`` series (no-op without --enable-metrics or k3)."""
+    global _exporter, _exporter_failed
+    if _exporter_failed or not _metrics_enabled(scheduler):
+        return
+    cache = k3_cache_of(getattr(scheduler, "tree_cache", None))
+    if cache is None:
+        return
+    if _exporter is None:
+        try:
+            _exporter = _Exporter(dict(scheduler.metrics_collector.labels))
+        except Exception:
+            _exporter_failed = True  # never take the scheduler down for a metric
+            logger.exception("sglang-k3: cannot register the sglang_k3_* metrics")
+            return
+    _exporter.update(snap if snap is not None else server_snapshot(cache))
+
+
+# ---------------------------------------------------------------------------- per request
+def record_match(req, cache, lookups_before: int, result) -> None:
+    """Store on ``req`` what its admitting lookup found. ``result`` is upstream's MatchResult;
+    the tree's last match record is used only if this call made it."""
+    restore = int(result.device_prefix_len)
+    stats = cache.tree.stats
+    if stats.lookups == lookups_before + 1 and stats.recent:
+        rec = stats.recent[-1]
+        # The record's restore equals ``restore`` unless SGLANG_RADIX_FORCE_MISS zeroed the hit:
+        # then the tokens it would have restored are replayed too.
+        replayed = rec.replayed_tokens + max(0, rec.restore_len - restore)
+        kv_match = rec.mla_len
+    else:  # not looked up (an empty key, or a LoRA / cache-salt namespace the tree does not share)
+        replayed, kv_match = 0, 0
+    setattr(req, REQ_MATCH_ATTR, ReqMatch(restore, replayed, kv_match))
+
+
+class K3OutputStreamerMixin:
+    """Adds the k3 per-request fields to the generation output, once per request (its first
+    output: the first stream chunk, or the finished response)."""
+
+    __slots__ = ()
+    has_additional_customized_info = True
+
+    def build_additional_customized_info(self, reqs):
+        out = dict(super().build_additional_customized_info(reqs))
+        cols: dict[str, list] = {k: [] for k in META_KEYS}
+        for req in reqs:
+            m = getattr(req, REQ_MATCH_ATTR, None)
+            if m is None or getattr(req, REQ_SENT_ATTR, False):
+                for k in META_KEYS:
+                    cols[k].append([])
+                continue
+            setattr(req, REQ_SENT_ATTR, True)
+            cols[META_RESTORE_LEN].append([m.restore_len])
+            cols[META_REPLAYED_TOKENS].append([m.replayed_tokens])
+            cols[META_KV_MATCH_LEN].append([m.kv_match_len])
+        out.update(cols)
+        return out
+
+
+_streamer_classes: dict[type, type] = {}
+
+
+def streamer_class(base: type) -> type:
+    """``base`` (upstream's streamer or another plugin's subclass of it) with the k3 fields."""
+    cls = _streamer_classes.get(base)
+    if cls is None:
+        cls = type(f"K3{base.__name__}", (K3OutputStreamerMixin, base), {"__slots__": ()})
+        _streamer_classes[base] = cls
+    return cls
