@@ -21,6 +21,8 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3": [],  # launch_server's default backend is k3
     # Small prefill chunks and small pools: chunk checkpoints, recycling and eviction happen.
     "k3_small": ["--chunked-prefill-size", "96", "--max-total-tokens", "1536", "--max-mamba-cache-size", "12"],
+    # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
+    "k3_metrics": ["--enable-metrics"],
 }
 
 _servers: dict[str, Server] = {}
