@@ -35,7 +35,7 @@ def make_script(seed: int, n_rounds: int = 4) -> dict:
             "reply_len": rng.randint(4, 10)}
 
 
-def run_script(server, script: dict) -> list[dict]:
+def run_script(server, script: dict, logprobs: bool = False) -> list[dict]:
     history = [list(c["prefix"]) for c in script["convs"]]
     last_prompt: list[int] | None = None
     records = []
@@ -49,10 +49,14 @@ def run_script(server, script: dict) -> list[dict]:
             else:
                 prompts.append(list(last_prompt or script["fork_base"]))
         with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
-            outs = list(ex.map(lambda p: server.generate(p, script["reply_len"]), prompts))
+            extra = {"return_logprob": True} if logprobs else {}
+            outs = list(ex.map(lambda p: server.generate(p, script["reply_len"], **extra), prompts))
         for q, p, o in zip(reqs, prompts, outs):
-            records.append({"round": r, "kind": q["kind"], "prompt_len": len(p), "output_ids": o["output_ids"],
-                            "cached_tokens": o["meta_info"].get("cached_tokens", 0)})
+            rec = {"round": r, "kind": q["kind"], "prompt_len": len(p), "output_ids": o["output_ids"],
+                   "cached_tokens": o["meta_info"].get("cached_tokens", 0)}
+            if logprobs:
+                rec["output_logprobs"] = [t[0] for t in o["meta_info"]["output_token_logprobs"]]
+            records.append(rec)
             if q["kind"] == "turn":
                 history[q["conv"]] = p + o["output_ids"]
         last_prompt = prompts[0]

@@ -15,7 +15,7 @@ def _flush(s):
 def test_fully_contained_prompt_still_hits(server_factory):
     """Upstream's known failure: a prompt entirely in the cache gets 0. Here the state exported
     at the last 64-token boundary before the prompt end is kept, so it hits there."""
-    s = server_factory("k3")
+    s = server_factory("k3_int8")
     _flush(s)
     ids = random_tokens(random.Random(11), 150)
     first = s.generate(ids, 5)
@@ -29,7 +29,7 @@ def test_fully_contained_prompt_still_hits(server_factory):
 def test_branch_point_is_checkpointed(server_factory):
     """Two requests share a 100-token prefix; the second one's prefill keeps the state at the
     last chunk boundary before the branch, so a third sibling hits there."""
-    s = server_factory("k3")
+    s = server_factory("k3_int8")
     _flush(s)
     rng = random.Random(12)
     shared = random_tokens(rng, 100)
@@ -46,7 +46,7 @@ def _hit_rate(records) -> float:
 
 def test_ab_hit_rate_k3_at_least_upstream(server_factory):
     """Multi-turn conversations whose turns extend the previous turn, same workload on both."""
-    k3, up = server_factory("k3"), server_factory("upstream")
+    k3, up = server_factory("k3_int8"), server_factory("upstream")
     _flush(k3)
     _flush(up)
     rates = {}

@@ -24,6 +24,8 @@ class K3Config:
     checkpoint_generation_end: bool = True
     checkpoint_branch_points: bool = True
     checkpoint_budget: int = 8
+    checkpoint_dtype: str = "int8"
+    checkpoint_slots: int = 64
 
     def to_env(self) -> None:
         os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
@@ -78,12 +80,31 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="k3 cache: at most N checkpoints kept on one root-to-leaf path; superseded chunk "
         "checkpoints are recycled first (0: no cap; default 8).",
     )
+    g.add_argument(
+        "--k3-checkpoint-dtype",
+        choices=["int8", "bf16", "fp32"],
+        default="int8",
+        help="k3 cache: format of parked KDA checkpoints (default int8: per-(layer, head, k) fp32 "
+        "scales over V; conv state kept in its native dtype). fp32 keeps checkpoints in SGLang's "
+        "mamba pool, bit-exact, with zero-copy donation of finished requests' states. Active "
+        "states always stay full precision.",
+    )
+    g.add_argument(
+        "--k3-checkpoint-slots",
+        type=int,
+        default=64,
+        metavar="N",
+        help="k3 cache with int8/bf16 checkpoints: size of the checkpoint pool in checkpoints "
+        "(default 64). fp32 checkpoints share --max-mamba-cache-size instead.",
+    )
     return g
 
 
 def from_namespace(ns: argparse.Namespace) -> K3Config:
     if ns.k3_checkpoint_budget < 0:
         raise SystemExit("--k3-checkpoint-budget must be >= 0")
+    if ns.k3_checkpoint_slots < 1:
+        raise SystemExit("--k3-checkpoint-slots must be >= 1")
     return K3Config(
         embedded_model_dir=ns.k3_embedded_model_dir,
         cpu_defaults=not ns.k3_no_cpu_defaults,
@@ -92,6 +113,8 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_generation_end=not ns.k3_no_generation_checkpoints,
         checkpoint_branch_points=not ns.k3_no_branch_checkpoints,
         checkpoint_budget=ns.k3_checkpoint_budget,
+        checkpoint_dtype=ns.k3_checkpoint_dtype,
+        checkpoint_slots=ns.k3_checkpoint_slots,
     )
 
 

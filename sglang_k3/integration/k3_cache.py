@@ -10,9 +10,11 @@ translates: SGLang requests, tensors and pools in, ints and handles to the tree,
 The contract with SGLang 0.5.23's scheduler is written down in ``docs/sglang_cache_contract.md``.
 In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer``:
 
-* **Checkpoints are mamba-pool slots** (handle = slot index), one KDA group per TP rank (this
-  class serves one rank, so one group). They come from the same allocator as the requests'
-  active slots, so SGLang's idle leak check stays exact.
+* **Checkpoint storage** (``--k3-checkpoint-dtype``, :mod:`sglang_k3.state.checkpoint_store`):
+  ``fp32`` checkpoints are mamba-pool slots (handle = slot index) taken from the same allocator
+  as the requests' active slots, so SGLang's idle leak check stays exact; ``int8``/``bf16``
+  checkpoints live in a separate checkpoint pool and are dequantized eagerly on a hit. One KDA
+  group per TP rank (this class serves one rank, so one group).
 * **Hit (copy-on-write)**: ``match_prefix`` pins the matched checkpoint (invariant 1), then gives
   the request a private slot (evicting checkpoints if needed: the pinned one cannot go) and sets
   ``mamba_cow_src_index``; SGLang copies on the forward stream before the KDA layers. The pin is
@@ -23,8 +25,8 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
 * **Chunk end / prompt end** (request still running): the live slot is copied into a new slot,
   which the tree keeps; the request keeps its slot (a second slot only at a checkpoint boundary).
 * **Finish (donate)**: when the state length equals the key length, the request's slot itself is
-  handed to the tree, no copy. Otherwise it is freed: a state is never stored under a key it
-  does not belong to.
+  handed to the tree, no copy (fp32; int8/bf16 quantize it into a checkpoint slot). Otherwise it
+  is freed: a state is never stored under a key it does not belong to.
 * **Ready flag (invariant 2)**: a checkpoint enters the tree not ready and is marked ready right
   after its copy is issued. On CPU the copy is synchronous; on a GPU it is enqueued on the
   forward stream ahead of any forward that could read it.
@@ -51,6 +53,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, PlacementPolicy
 from sglang_k3.integration.k3_args import K3Config
 from sglang_k3.state.active_slots import SlotPool
+from sglang_k3.state.checkpoint_store import make_store
 from sglang_k3.state.export_stash import STASH
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,7 @@ class K3RadixCache(BasePrefixCache):
         self.disable = False
         self.cfg = cfg
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
+        self.store = make_store(cfg.checkpoint_dtype, self.slots, cfg.checkpoint_slots, self._evict_checkpoint_bytes)
         self.placement = PlacementPolicy(
             hit_unit=1,
             at_chunk_end=cfg.checkpoint_chunk_end,
@@ -85,7 +89,8 @@ class K3RadixCache(BasePrefixCache):
         # Branch points found at match time (Marconi-style speculative insertion), by request id.
         self._branch_points: dict[str, int] = {}
         STASH.enabled = True  # the extend forward keeps its chunk-boundary states for us
-        logger.info("k3 radix cache: checkpoint slot %d bytes, placement %s", self.slots.slot_bytes, self.placement)
+        logger.info("k3 radix cache: %s checkpoints of %d bytes, placement %s",
+                    self.store.dtype, self.store.slot_bytes, self.placement)
 
     # ---------------------------------------------------------------- identity
     def supports_mamba(self) -> bool:
@@ -121,7 +126,10 @@ class K3RadixCache(BasePrefixCache):
             except BaseException:
                 self.tree.release_pin(res.pin)
                 raise
-            self._pins[params.req.rid] = (params.req, res.pin)
+            if self.store.eager_restore:
+                self.tree.release_pin(res.pin)  # the copy has landed already
+            else:
+                self._pins[params.req.rid] = (params.req, res.pin)
         node = res.node
         return MatchResult(
             device_prefix_len=res.restore_len,
@@ -141,15 +149,14 @@ class K3RadixCache(BasePrefixCache):
         for rid in [rid for rid, (req, _) in self._pins.items() if req.finished()]:
             self._release_pin(rid)
 
-    def _cow_into_request(self, req, src_slot: int) -> None:
-        """Give ``req`` a private slot whose state will be a copy of checkpoint ``src_slot``."""
+    def _cow_into_request(self, req, handle: int) -> None:
+        """Give ``req`` a private slot whose state is (or will be) a copy of checkpoint ``handle``."""
         if not req.kv.holds_mamba:
             dst = self.slots.alloc()
             if dst is None:
                 raise RuntimeError("k3 cache: no KDA state slot free for a cache hit")
             req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
-        req.kv.mamba_cow_src_index = self.slots.index_tensor(src_slot)
-        req.kv.mamba_needs_clear = False
+        self.store.restore(handle, req)
 
     # ---------------------------------------------------------------- locks and paths
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -222,17 +229,17 @@ class K3RadixCache(BasePrefixCache):
         for pos, kind in sorted(wanted.items()):
             if self._has_checkpoint_at(node, pos):
                 continue
-            slot = self._alloc_slot_pinned(node)
-            if slot is None:
+            handle = self._pinned(node, self.store.capture_export, seq, pos)
+            if handle is None:
                 return
-            STASH.store(seq, pos, slot, self.req_to_token_pool)
-            self._register(node, pos, slot, kind)
+            self._register(node, pos, handle, kind)
 
-    def _alloc_slot_pinned(self, node) -> Optional[int]:
-        """A free slot, evicting if needed, with the request's path pinned (invariant 1)."""
+    def _pinned(self, node, fn, *args):
+        """Run a storing operation (it may allocate and so evict) with the request's path locked
+        (invariant 1: pin before allocating)."""
         self.tree.inc_lock_ref(node)
         try:
-            return self.slots.alloc()
+            return fn(*args)
         finally:
             self.tree.dec_lock_ref(node)
 
@@ -246,11 +253,10 @@ class K3RadixCache(BasePrefixCache):
         kind = self._kind_for_running(req, up_to)
         if kind is None or not req.kv.holds_mamba or self._has_checkpoint_at(node, up_to):
             return
-        slot = self._alloc_slot_pinned(node)
-        if slot is None:
+        handle = self._pinned(node, self.store.capture_active, int(req.kv.mamba_pool_idx))
+        if handle is None:
             return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
-        self.slots.copy(int(req.kv.mamba_pool_idx), slot)
-        self._register(node, up_to, slot, kind)
+        self._register(node, up_to, handle, kind)
 
     def _checkpoint_finished(self, req, node, up_to: int) -> None:
         if not req.kv.holds_mamba:
@@ -260,24 +266,29 @@ class K3RadixCache(BasePrefixCache):
             and up_to == req.kv.kv_committed_len  # the slot's state is exactly at up_to
             and not self._has_checkpoint_at(node, up_to)
         )
-        if donate:
-            slot = int(req.kv.mamba_pool_idx)
-            req.kv.mamba_pool_idx = None  # the tree owns it now
-            self._register(node, up_to, slot, CheckpointKind.GEN_END)
+        if not donate:
+            self._free_request_slot(req)
+            return
+        active = int(req.kv.mamba_pool_idx)
+        handle = self._pinned(node, self.store.donate, active)
+        if self.store.uses_mamba_slots and handle == active:
+            req.kv.mamba_pool_idx = None  # the tree owns the slot now
         else:
             self._free_request_slot(req)
+        if handle is not None:
+            self._register(node, up_to, handle, CheckpointKind.GEN_END)
 
     def _has_checkpoint_at(self, node, pos: int) -> bool:
         return any(ck.pos == pos for ck in self.tree.path_checkpoints(node))
 
-    def _register(self, node, pos: int, slot: int, kind: CheckpointKind) -> None:
-        ck = self.tree.add_checkpoint(node, pos, [slot], self.slots.slot_bytes, kind=kind, ready=False)
+    def _register(self, node, pos: int, handle: int, kind: CheckpointKind) -> None:
+        ck = self.tree.add_checkpoint(node, pos, [handle], self.store.slot_bytes, kind=kind, ready=False)
         if ck is None:
-            self.slots.free([slot])
+            self.store.free([handle])
             return
         self.tree.mark_ready(ck)  # the copy (or donation) has been issued: see module docstring
         freed = self.tree.recycle_path(node, self.placement)
-        self.slots.free(freed.handles)
+        self.store.free(freed.handles)
 
     def _free_request_slot(self, req) -> None:
         if req.kv.holds_mamba:
@@ -291,12 +302,18 @@ class K3RadixCache(BasePrefixCache):
 
     # ---------------------------------------------------------------- eviction and sizes
     def _evict_slots(self, n: int) -> int:
+        """Free ``n`` mamba-pool slots held by checkpoints (only fp32 checkpoints hold any)."""
+        if not self.store.uses_mamba_slots:
+            return 0
+        return len(self._evict_checkpoint_bytes(n * self.store.slot_bytes).handles)
+
+    def _evict_checkpoint_bytes(self, nbytes: int):
         self._release_finished_pins()
-        freed = self.tree.evict(num_bytes=n * self.slots.slot_bytes)
-        self.slots.free(freed.handles)
+        freed = self.tree.evict(num_bytes=nbytes)
+        self.store.free(freed.handles)
         if freed.kv_indices:
             self.token_to_kv_pool_allocator.free(torch.tensor(freed.kv_indices, dtype=torch.int64, device=self._kv_device))
-        return len(freed.handles)
+        return freed
 
     def evict(self, params: EvictParams) -> EvictResult:
         result = EvictResult()
@@ -306,9 +323,10 @@ class K3RadixCache(BasePrefixCache):
                 self.token_to_kv_pool_allocator.free(
                     torch.tensor(freed.kv_indices, dtype=torch.int64, device=self._kv_device)
                 )
-            self.slots.free(freed.handles)
+            self.store.free(freed.handles)
             result.num_tokens_evicted = len(freed.kv_indices)
-            result.mamba_num_evicted += len(freed.handles)
+            if self.store.uses_mamba_slots:
+                result.mamba_num_evicted += len(freed.handles)
         if params.mamba_num > 0:
             result.mamba_num_evicted += self._evict_slots(params.mamba_num)
         return result
@@ -323,9 +341,13 @@ class K3RadixCache(BasePrefixCache):
     full_protected_size = protected_size
 
     def mamba_evictable_size(self) -> int:
-        return self.tree.evictable_checkpoint_bytes() // self.slots.slot_bytes
+        if not self.store.uses_mamba_slots:
+            return 0
+        return self.tree.evictable_checkpoint_bytes() // self.store.slot_bytes
 
     def mamba_protected_size(self) -> int:
+        if not self.store.uses_mamba_slots:
+            return 0
         return self.tree.checkpoint_count() - self.mamba_evictable_size()
 
     def total_size(self) -> int:
@@ -334,7 +356,9 @@ class K3RadixCache(BasePrefixCache):
     def reset(self) -> None:
         # SGLang clears the KV and mamba allocators right after (flush_cache): drop, don't free.
         if hasattr(self, "tree"):
-            self.tree.reset()
+            freed = self.tree.reset()
+            if not self.store.uses_mamba_slots:
+                self.store.free(freed.handles)  # our own pool: SGLang does not clear it
             self.root_node = self.tree.root
             self._branch_points.clear()
             self._pins.clear()

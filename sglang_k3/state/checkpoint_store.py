@@ -1,0 +1,132 @@
+"""Where the k3 tree's checkpoints live, by checkpoint dtype.
+
+* ``fp32`` (:class:`NativeSlotStore`): a checkpoint is a slot of SGLang's mamba pool, in the
+  active state's own format. A finished request's slot is *donated* (no copy); a hit is a
+  deferred copy SGLang runs on the forward stream (``mamba_cow_src_index``). Bit-exact.
+* ``int8`` / ``bf16`` (:class:`QuantizedStore`): a checkpoint is a slot of a separate
+  :class:`~sglang_k3.state.checkpoint_pool.CheckpointPool` (INT8 with per-(layer, head, k) fp32
+  scales, or bf16; conv state in its native dtype). Storing quantizes, a hit dequantizes eagerly
+  into the request's fresh fp32 active slot at match time (SGLang's deferred copy only knows
+  same-format copies). A restored state continues in full precision and is never requantized.
+
+Both give the cache the same verbs: ``capture_active`` (fork the running request's state at a
+boundary), ``donate`` (a finished request's state), ``capture_export`` (a chunk-boundary state
+the extend exported), ``restore`` (copy-on-write into a request), ``free``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from sglang_k3.state.active_slots import SlotPool
+from sglang_k3.state.checkpoint_pool import CheckpointPool
+from sglang_k3.state.export_stash import CHUNK, STASH, SeqExport
+
+CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
+
+
+class NativeSlotStore:
+    uses_mamba_slots = True
+    eager_restore = False
+    dtype = "fp32"
+
+    def __init__(self, slots: SlotPool):
+        self.slots = slots
+        self.slot_bytes = slots.slot_bytes
+
+    def alloc(self) -> Optional[int]:
+        return self.slots.alloc()
+
+    def free(self, handles: list[int]) -> None:
+        self.slots.free(handles)
+
+    def capture_active(self, active_slot: int) -> Optional[int]:
+        dst = self.slots.alloc()
+        if dst is not None:
+            self.slots.copy(active_slot, dst)
+        return dst
+
+    def donate(self, active_slot: int) -> Optional[int]:
+        """The handle now owning ``active_slot``'s state: the slot itself (the caller must stop
+        using it)."""
+        return active_slot
+
+    def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
+        dst = self.slots.alloc()
+        if dst is not None:
+            STASH.store(seq, pos, dst, self.slots.rtp)
+        return dst
+
+    def restore(self, handle: int, req) -> None:
+        """Deferred copy-on-write: SGLang copies ``handle`` into the request's slot before the
+        KDA layers of its next forward."""
+        req.kv.mamba_cow_src_index = self.slots.index_tensor(handle)
+        req.kv.mamba_needs_clear = False
+
+
+class QuantizedStore:
+    uses_mamba_slots = False
+    eager_restore = True
+
+    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int]):
+        self.slots = slots
+        self.dtype = dtype
+        self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
+        self.slot_bytes = self.pool.bytes_per_slot
+        self._evict_bytes = evict_bytes
+        # model layer id -> pool layer index (the order of the mamba pool's layer axis)
+        self._pool_layer = dict(slots.rtp.mamba_map)
+
+    def alloc(self) -> Optional[int]:
+        got = self.pool.alloc(1)
+        if got is None:
+            self._evict_bytes(self.slot_bytes)
+            got = self.pool.alloc(1)
+        return None if got is None else got[0]
+
+    def free(self, handles: list[int]) -> None:
+        if handles:
+            self.pool.decref(handles)
+
+    def capture_active(self, active_slot: int) -> Optional[int]:
+        dst = self.alloc()
+        if dst is None:
+            return None
+        res = self.pool.store([active_slot], [dst])
+        return dst if res.all_ok else None  # a non-finite state is refused (slot released)
+
+    donate = capture_active  # a quantized checkpoint cannot take over an fp32 slot: store it
+
+    def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
+        if len(STASH.layers) != self.pool.L:
+            return None  # not every KDA layer recorded this forward: no complete state
+        dst = self.alloc()
+        if dst is None:
+            return None
+        r = pos - seq.prefix
+        for layer_id, (h, mixed_qkv) in STASH.layers.items():
+            res = self.pool.store_from_intermediate(
+                self._pool_layer[layer_id], h, [seq.chunk_offset + r // CHUNK], [dst],
+                state_v_first=True, conv_src=mixed_qkv, token_ends=[seq.row_start + r],
+            )
+            if not res.all_ok:
+                return None  # refused and released by the pool
+        return dst
+
+    def restore(self, handle: int, req) -> None:
+        """Eager copy-on-write: dequantize into the request's fresh fp32 slot now."""
+        self.pool.restore([handle], [int(req.kv.mamba_pool_idx)])
+        req.kv.mamba_cow_src_index = None
+        req.kv.mamba_needs_clear = False
+
+
+def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int]):
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
+    if dtype == "fp32":
+        if slots.pool.mamba_cache.temporal.dtype != torch.float32:
+            raise ValueError("--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, "
+                             "whose recurrent state is not fp32 here")
+        return NativeSlotStore(slots)
+    return QuantizedStore(slots, dtype, num_slots, evict_bytes)
