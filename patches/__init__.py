@@ -27,6 +27,7 @@ PATCH_MODULES: list[str] = [
     "kda_backend_forward_extend",
     "kda_triton_extend_export",
     "tokenizer_manager_validate",
+    "batch_result_decode_checkpoint",
     "scheduler_internal_state_k3",
     "scheduler_process_batch_result_k3",
     "match_kv_cache_k3",

@@ -20,9 +20,10 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "upstream": ["--radix-cache-backend", "upstream"],
     # launch_server's default backend is k3; fp32 checkpoints are the bit-exact differential oracle.
     "k3": ["--k3-checkpoint-dtype", "fp32"],
-    # Small prefill chunks and small pools: chunk checkpoints, recycling and eviction happen.
+    # Small prefill chunks, small pools, a decode checkpoint every 8 tokens: chunk and decode
+    # checkpoints, recycling and eviction all happen.
     "k3_small": ["--k3-checkpoint-dtype", "fp32", "--chunked-prefill-size", "96", "--max-total-tokens", "1536",
-                 "--max-mamba-cache-size", "12"],
+                 "--max-mamba-cache-size", "12", "--k3-decode-checkpoint-interval", "8"],
     # The user-facing default: int8 checkpoints in their own pool (small, so it evicts).
     "k3_int8": ["--k3-checkpoint-slots", "16"],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).

@@ -26,6 +26,7 @@ class K3Config:
     checkpoint_budget: int = 8
     checkpoint_dtype: str = "int8"
     checkpoint_slots: int = 64
+    decode_checkpoint_interval: int = 4096
 
     def to_env(self) -> None:
         os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
@@ -73,6 +74,15 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "from a cached path, found by matching it before its prefill, as Marconi does).",
     )
     g.add_argument(
+        "--k3-decode-checkpoint-interval",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="k3 cache: while a request decodes, checkpoint its state every N tokens of its "
+        "sequence (recyclable once superseded; 0: off; default 4096). The end of each "
+        "generation is kept anyway.",
+    )
+    g.add_argument(
         "--k3-checkpoint-budget",
         type=int,
         default=8,
@@ -103,6 +113,8 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def from_namespace(ns: argparse.Namespace) -> K3Config:
     if ns.k3_checkpoint_budget < 0:
         raise SystemExit("--k3-checkpoint-budget must be >= 0")
+    if ns.k3_decode_checkpoint_interval < 0:
+        raise SystemExit("--k3-decode-checkpoint-interval must be >= 0")
     if ns.k3_checkpoint_slots < 1:
         raise SystemExit("--k3-checkpoint-slots must be >= 1")
     return K3Config(
@@ -115,6 +127,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_budget=ns.k3_checkpoint_budget,
         checkpoint_dtype=ns.k3_checkpoint_dtype,
         checkpoint_slots=ns.k3_checkpoint_slots,
+        decode_checkpoint_interval=ns.k3_decode_checkpoint_interval,
     )
 
 

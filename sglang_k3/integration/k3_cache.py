@@ -76,6 +76,7 @@ class K3RadixCache(BasePrefixCache):
             at_prompt_end=cfg.checkpoint_prompt_end,
             at_generation_end=cfg.checkpoint_generation_end,
             at_branch_points=cfg.checkpoint_branch_points,
+            decode_interval=cfg.decode_checkpoint_interval or None,
             per_path_budget=cfg.checkpoint_budget or None,
         )
         # hit_unit=1: checkpoints sit exactly where the forward left a state (chunk, prompt and
@@ -174,7 +175,7 @@ class K3RadixCache(BasePrefixCache):
         return torch.tensor(kv, dtype=torch.int64, device=self._kv_device)
 
     # ---------------------------------------------------------------- insert / checkpoint
-    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+    def checkpoint(self, req, *, up_to: int, kind: Optional[CheckpointKind] = None, **kwargs) -> None:
         self._release_pin(req.rid)  # a forward has run since the match: the copy has landed
         finished = req.finished()
         row = req.kv.req_pool_idx
@@ -206,7 +207,21 @@ class K3RadixCache(BasePrefixCache):
         if finished:
             self._checkpoint_finished(req, ins.node, up_to)
         else:
-            self._checkpoint_running(req, ins.node, up_to)
+            self._checkpoint_running(req, ins.node, up_to, kind)
+
+    def checkpoint_decode(self, req) -> None:
+        """After a decode step: every ``--k3-decode-checkpoint-interval`` tokens, insert the
+        request's path so far and fork its state there (a recyclable DECODE checkpoint)."""
+        length = req.kv.kv_committed_len  # tokens whose KV is written and whose state is in the slot
+        if (
+            req.finished()
+            or not req.kv.holds_mamba
+            or req.kv.req_pool_idx is None
+            or not self.placement.decode_checkpoint(length)
+        ):
+            return
+        req.refresh_fill_ids()
+        self.checkpoint(req, up_to=length, kind=CheckpointKind.DECODE)
 
     def _store_exported(self, req, node, up_to: int) -> None:
         """Keep chunk-boundary states the extend just exported: the last one before the prompt
@@ -249,8 +264,8 @@ class K3RadixCache(BasePrefixCache):
             return CheckpointKind.PROMPT_END if self.placement.at_prompt_end else None
         return CheckpointKind.CHUNK if self.placement.at_chunk_end else None
 
-    def _checkpoint_running(self, req, node, up_to: int) -> None:
-        kind = self._kind_for_running(req, up_to)
+    def _checkpoint_running(self, req, node, up_to: int, kind: Optional[CheckpointKind] = None) -> None:
+        kind = kind or self._kind_for_running(req, up_to)
         if kind is None or not req.kv.holds_mamba or self._has_checkpoint_at(node, up_to):
             return
         handle = self._pinned(node, self.store.capture_active, int(req.kv.mamba_pool_idx))

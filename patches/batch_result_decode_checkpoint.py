@@ -1,0 +1,33 @@
+"""Give the k3 cache a look at each request after every decode step.
+
+Placement "every N decode tokens" needs a point where a request's state has just advanced by one
+decode token; SGLang calls the tree cache during decode only to evict. This AFTER hook on the
+decode result processor asks the cache (``checkpoint_decode``, k3 only) to fork the state of
+requests whose committed length reached a multiple of the interval.
+"""
+from __future__ import annotations
+
+TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor.process_batch_result_decode"
+)
+REASON = "SGLang has no per-decode-step hook for the tree cache; k3 checkpoints every N decode tokens"
+UPSTREAM_VERSION = "0.5.23"
+CPU_ONLY = False
+
+
+def checkpoint_after_decode(result, self, batch, *args, **kwargs):
+    cache = getattr(self, "tree_cache", None)
+    checkpoint_decode = getattr(cache, "checkpoint_decode", None)
+    if checkpoint_decode is None:
+        return None
+    for req in batch.reqs:
+        if not getattr(req, "is_retracted", False):
+            checkpoint_decode(req)
+    return None
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, checkpoint_after_decode, HookType.AFTER)
