@@ -170,11 +170,11 @@ def machine_info() -> dict:
 def git_info() -> dict:
     def run(*cmd):
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.strip()
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return None
     dirty = run("status", "--porcelain", "--", "sglang_k3", "kernels", "patches", "setup.py")
-    return {"commit": run("rev-parse", "HEAD"),
+    return {"commit": (run("rev-parse", "HEAD") or "").strip() or None,
             "uncommitted_server_code": [ln[3:] for ln in dirty.splitlines()] if dirty else []}
 
 
