@@ -11,6 +11,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: benchmarks.*
 
 from server_utils import Server  # noqa: E402
 

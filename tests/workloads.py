@@ -4,11 +4,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-PRINTABLE = list(range(32, 127))
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.choice(PRINTABLE) for _ in range(n)]
+from benchmarks.live.differential import PRINTABLE, random_tokens  # noqa: F401  (one definition)
 
 
 @dataclasses.dataclass
