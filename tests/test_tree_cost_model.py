@@ -39,3 +39,17 @@ def test_active_params_order_of_magnitude():
     c = preset("kimi-linear-48b")
     per_token = c.prefill_flops(0, 1) / 2
     assert 1.5e9 < per_token < 4e9
+
+
+def test_cost_model_from_the_embedded_models_config():
+    """The server prices eviction with the served model's own dimensions."""
+    from sglang_k3.cache.cost_model import from_hf_config
+    from sglang_k3.model.tiny_spec import TinyK3Spec
+
+    spec = TinyK3Spec()
+    c = from_hf_config(spec.hf_config())
+    assert (c.num_kda_layers, c.num_mla_layers) == (6, 2)
+    assert (c.kda_heads, c.kda_head_k, c.moe_intermediate, c.top_k) == (4, 64, 128, 2)
+    # recurrent fp32 state: 6 layers x 4 heads x 64 x 64 x 4 B
+    assert c.recurrent_bytes("fp32") == 6 * 4 * 64 * 64 * 4
+    assert c.prefill_flops(0, 128) > c.prefill_flops(64, 128) > 0

@@ -122,6 +122,31 @@ class ModelCostConfig:
         return float(linear + attn)
 
 
+def from_hf_config(cfg: dict, name: str = "served") -> ModelCostConfig:
+    """The cost model of a served Kimi-Linear-style model, from its HF ``config.json`` fields
+    (``linear_attn_config`` lists the 1-based KDA layers), so eviction prices the actual model."""
+    la = cfg.get("linear_attn_config") or {}
+    n_layers = int(cfg["num_hidden_layers"])
+    n_kda = len(la.get("kda_layers") or [])
+    head_dim = int(la.get("head_dim", 0))
+    heads = int(cfg.get("num_attention_heads", 0))
+    return ModelCostConfig(
+        name=name, hidden=int(cfg["hidden_size"]), vocab=int(cfg.get("vocab_size", 0)),
+        num_kda_layers=n_kda, kda_heads=int(la.get("num_heads", 0)), kda_head_k=head_dim,
+        kda_head_v=head_dim, kda_conv_kernel=int(la.get("short_conv_kernel_size", 4)),
+        num_mla_layers=n_layers - n_kda, mla_heads=heads,
+        kv_lora_rank=int(cfg.get("kv_lora_rank") or 0), qk_rope_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        qk_nope_dim=int(cfg.get("qk_nope_head_dim") or 0), v_head_dim=int(cfg.get("v_head_dim") or 0),
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        num_experts=int(cfg.get("num_experts") or 0),
+        top_k=int(cfg.get("num_experts_per_token") or cfg.get("num_experts_per_tok") or 0),
+        moe_intermediate=int(cfg.get("moe_intermediate_size") or 0),
+        num_shared_experts=int(cfg.get("num_shared_experts") or 0),
+        first_k_dense=int(cfg.get("first_k_dense_replace") or 0) if cfg.get("num_experts") else n_layers,
+        dense_intermediate=int(cfg.get("intermediate_size") or 0),
+    )
+
+
 PRESETS: dict[str, ModelCostConfig] = {
     "tiny": ModelCostConfig(
         name="tiny", hidden=256, vocab=1024,

@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, PlacementPolicy
+from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.integration.k3_args import K3Config
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_store import make_store
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 
 class K3RadixCache(BasePrefixCache):
-    def __init__(self, params, cfg: K3Config):
+    def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None):
         if params.page_size not in (1, None):
             raise ValueError(f"--radix-cache-backend k3 needs --page-size 1 (got {params.page_size})")
         self.req_to_token_pool = params.req_to_token_pool
@@ -81,7 +82,7 @@ class K3RadixCache(BasePrefixCache):
         )
         # hit_unit=1: checkpoints sit exactly where the forward left a state (chunk, prompt and
         # generation ends); the kernel's 64-token grid adds more positions, never fewer.
-        self.tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=EvictionPolicy(),
+        self.tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=_eviction_policy(hf_config),
                                 lock_protects_checkpoints=False)
         # Pins held until a request's copy-on-write has landed, by request id: (request, pin).
         self._pins: dict[str, tuple[Any, Any]] = {}
@@ -391,6 +392,15 @@ class K3RadixCache(BasePrefixCache):
 
     def pretty_print(self) -> None:
         print(f"k3 radix cache: {self.stats_dict()}")
+
+
+def _eviction_policy(hf_config: Optional[dict]) -> EvictionPolicy:
+    """Utility = recency + prefill FLOPs saved per byte, priced with the served model's own
+    KDA/MLA/MoE dimensions (token counts when the config is not a Kimi-Linear-style one)."""
+    if not hf_config or not hf_config.get("linear_attn_config"):
+        return EvictionPolicy()
+    kv_dtype = "fp32" if str(hf_config.get("torch_dtype", "")).endswith("float32") else "bf16"
+    return EvictionPolicy(cost=from_hf_config(hf_config), kv_dtype=kv_dtype)
 
 
 def _request_namespaced(req) -> bool:

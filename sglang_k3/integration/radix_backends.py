@@ -30,7 +30,8 @@ def k3_factory(ctx):
     from sglang_k3.integration.k3_args import current
     from sglang_k3.integration.k3_cache import K3RadixCache
 
-    return K3RadixCache(ctx.params, current())
+    hf = getattr(ctx.model_config, "hf_config", None)
+    return K3RadixCache(ctx.params, current(), hf_config=hf.to_dict() if hf is not None else None)
 
 
 def register() -> None:
