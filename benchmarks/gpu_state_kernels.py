@@ -259,13 +259,14 @@ def bench_dims(name, d, cfg, copy_bw, results, with_torch=True):
         torch.cuda.empty_cache()
 
 
-def sweep(copy_bw):
+def sweep(copy_bw, n=8):
+    """Launch configs at Kimi-Linear-48B dims for batches of ``n`` slot pairs."""
     from sglang_k3.kernels.ckpt import triton_kernels as tk
 
     d = DIMS["kimi-linear-48b"]
     L, H, V, K = d["L"], d["H"], d["V"], d["K"]
     conv_n = d["conv"][0] * d["conv"][1]
-    n, sets = 8, 4
+    sets = 4
     P = n * sets
     t = torch.randn(L, P, H, V, K, device="cuda")
     c = torch.randn((L, P) + d["conv"], device="cuda").to(torch.bfloat16)
@@ -276,8 +277,8 @@ def sweep(copy_bw):
     idx = [torch.arange(i * n, (i + 1) * n, device="cuda", dtype=torch.int32) for i in range(sets)]
     out, best = [], {}
     for kind in ("quant", "dequant"):
-        for BK in (8, 16, 32, 64):
-            for nw in (2, 4, 8):
+        for BK in (8, 16, 32, 64, 128):
+            for nw in (1, 2, 4, 8):
                 kw = dict(BK=BK, num_warps=nw)
                 if kind == "quant":
                     fns = [lambda i=i: tk.quant_scatter(t, c, idx[i], q, s, cc, idx[i], **kw) for i in range(sets)]
@@ -426,6 +427,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plot-only", default=None, help="re-plot from an existing JSON")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-only-batch", type=int, default=None, metavar="N",
+                    help="only sweep launch configs for batches of N slot pairs; write sweep_bN.json")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
@@ -441,6 +444,12 @@ def main():
     copy_bw = copy_bandwidth()
     data["copy_bw_TBs"] = copy_bw / 1e12
     log(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s")
+    if args.sweep_only_batch:
+        rows, best = sweep(copy_bw, n=args.sweep_only_batch)
+        with open(os.path.join(args.out, f"gpu_sweep_b{args.sweep_only_batch}.json"), "w") as f:
+            json.dump(dict(data, batch=args.sweep_only_batch, sweep=rows, best=best), f, indent=1)
+        log(f"best at batch {args.sweep_only_batch}: {best}")
+        return
     cfg = dict(quant=dict(BK=32, num_warps=4), dequant=dict(BK=32, num_warps=4), copy=dict(BT=4096, num_warps=4))
     if not args.no_sweep:
         data["sweep"], best = sweep(copy_bw)
