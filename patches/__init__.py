@@ -37,6 +37,20 @@ PATCH_MODULES: list[str] = [
 _registered = False
 
 
+def replace_unless_cuda(target: str, fn) -> bool:
+    """Register ``fn`` as a REPLACE hook on ``target``, unless CUDA is present (a CUDA machine
+    keeps upstream's GPU kernel). Returns whether it registered. Shared by the CPU kernel patches."""
+    import torch
+
+    if torch.cuda.is_available():
+        logger.debug("CUDA present: keeping upstream %s", target)
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(target, fn, HookType.REPLACE)
+    return True
+
+
 def register_all(only_cpu: bool | None = None) -> list[str]:
     """Register every patch; returns the targets registered (idempotent per process)."""
     global _registered

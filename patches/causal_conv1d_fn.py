@@ -1,13 +1,7 @@
 """CPU replacement for upstream's Triton varlen causal conv1d (KDA/Mamba prefill)."""
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_varlen_torch
-
-logger = logging.getLogger(__name__)
 
 TARGET = "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn"
 REASON = "causal_conv1d_fn is Triton-only; the KDA extend path calls it on CPU too"
@@ -49,9 +43,6 @@ def causal_conv1d_fn_cpu(
 
 
 def register() -> None:
-    if torch.cuda.is_available():
-        logger.debug("CUDA present: keeping upstream %s", TARGET)
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_k3.patches import replace_unless_cuda
 
-    HookRegistry.register(TARGET, causal_conv1d_fn_cpu, HookType.REPLACE)
+    replace_unless_cuda(TARGET, causal_conv1d_fn_cpu)

@@ -1,13 +1,7 @@
 """CPU replacement for upstream's Triton causal conv1d update (KDA/Mamba decode)."""
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_update_torch
-
-logger = logging.getLogger(__name__)
 
 TARGET = "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update"
 REASON = "causal_conv1d_update is Triton-only off is_cpu() (env-gated); KDA decode calls it"
@@ -61,9 +55,6 @@ def causal_conv1d_update_cpu(
 
 
 def register() -> None:
-    if torch.cuda.is_available():
-        logger.debug("CUDA present: keeping upstream %s", TARGET)
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_k3.patches import replace_unless_cuda
 
-    HookRegistry.register(TARGET, causal_conv1d_update_cpu, HookType.REPLACE)
+    replace_unless_cuda(TARGET, causal_conv1d_update_cpu)

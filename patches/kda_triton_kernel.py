@@ -7,17 +7,11 @@ on a non-``is_cpu()`` host ``supports_packed_decode`` is True and decode goes th
 """
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from sglang_k3.kernels.kda.pool_ops import (
     kda_chunk_extend_pool,
     kda_packed_decode_pool,
     kda_recurrent_decode_pool,
 )
-
-logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
 REASON = "TritonKDAKernel runs fla Triton kernels; KDAKernelDispatcher has no custom-kernel registry"
@@ -145,10 +139,7 @@ METHODS = {
 
 
 def register() -> None:
-    if torch.cuda.is_available():
-        logger.debug("CUDA present: keeping upstream %s", TARGET)
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_k3.patches import replace_unless_cuda
 
     for name, fn in METHODS.items():
-        HookRegistry.register(f"{TARGET}.{name}", fn, HookType.REPLACE)
+        replace_unless_cuda(f"{TARGET}.{name}", fn)

@@ -1,13 +1,7 @@
 """CPU replacement for upstream's Triton gated RMSNorm (the KDA output norm, ``o_norm``)."""
 from __future__ import annotations
 
-import logging
-
-import torch
-
 from sglang_k3.kernels.kda.gated_rmsnorm_torch import rms_norm_gated_torch
-
-logger = logging.getLogger(__name__)
 
 # FusedRMSNormGated.forward calls this module-level function (its sgl_kernel CPU branch is only
 # taken under SGLANG_USE_CPU_ENGINE=1 with AMX, and only for activation "silu"; Kimi uses "sigmoid").
@@ -42,9 +36,6 @@ def rms_norm_gated_cpu(
 
 
 def register() -> None:
-    if torch.cuda.is_available():
-        logger.debug("CUDA present: keeping upstream %s", TARGET)
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_k3.patches import replace_unless_cuda
 
-    HookRegistry.register(TARGET, rms_norm_gated_cpu, HookType.REPLACE)
+    replace_unless_cuda(TARGET, rms_norm_gated_cpu)
