@@ -65,6 +65,21 @@ def _nonfinite_per_pair(*tensors: torch.Tensor) -> torch.Tensor:
     return bad
 
 
+def _conv_to_ckpt(src_conv, si, dst_conv, di) -> torch.Tensor:
+    """Active conv ``[L, S, *shape]`` slots ``si`` -> checkpoint conv ``[S', L, numel]`` slots
+    ``di`` in the checkpoint's dtype (the conv state is never quantized). Returns the source rows
+    ``[N, L, numel]`` for the non-finite check."""
+    c = src_conv.index_select(1, si).transpose(0, 1).reshape(len(si), src_conv.shape[0], -1)
+    dst_conv.index_copy_(0, di.to(dst_conv.device), c.to(dst_conv.dtype))
+    return c
+
+
+def _conv_from_ckpt(src_conv, si, dst_conv, di) -> None:
+    """Checkpoint conv ``[S', L, numel]`` slots ``si`` -> active conv ``[L, S, *shape]`` slots ``di``."""
+    c = src_conv.index_select(0, si).transpose(0, 1)  # [L, N, numel]
+    dst_conv.index_copy_(1, di.to(dst_conv.device), c.reshape(c.shape[:2] + dst_conv.shape[2:]).to(dst_conv.dtype))
+
+
 def quant_scatter_ref(
     src_temporal: torch.Tensor,
     src_conv: Optional[torch.Tensor],
@@ -83,8 +98,7 @@ def quant_scatter_ref(
     dst_scale.index_copy_(0, di.to(dst_q.device), scale)
     c = None
     if src_conv is not None:
-        c = src_conv.index_select(1, si).transpose(0, 1).reshape(len(si), src_conv.shape[0], -1)
-        dst_conv.index_copy_(0, di.to(dst_conv.device), c.to(dst_conv.dtype))
+        c = _conv_to_ckpt(src_conv, si, dst_conv, di)
     return _nonfinite_per_pair(x, c)
 
 
@@ -103,8 +117,7 @@ def gather_dequant_ref(
     x = dequantize_tile(src_q.index_select(0, si), src_scale.index_select(0, si))  # [N, L, H, V, K]
     dst_temporal.index_copy_(1, di.to(dst_temporal.device), x.transpose(0, 1).to(dst_temporal.dtype))
     if src_conv is not None:
-        c = src_conv.index_select(0, si).transpose(0, 1)  # [L, N, numel]
-        dst_conv.index_copy_(1, di.to(dst_conv.device), c.reshape((c.shape[0], c.shape[1]) + dst_conv.shape[2:]).to(dst_conv.dtype))
+        _conv_from_ckpt(src_conv, si, dst_conv, di)
 
 
 def copy_to_ckpt_ref(
@@ -124,8 +137,7 @@ def copy_to_ckpt_ref(
     dst_temporal.index_copy_(0, di, xc)
     c = None
     if src_conv is not None:
-        c = src_conv.index_select(1, si).transpose(0, 1).reshape(len(si), src_conv.shape[0], -1)
-        dst_conv.index_copy_(0, di, c.to(dst_conv.dtype))
+        c = _conv_to_ckpt(src_conv, si, dst_conv, di)
     return _nonfinite_per_pair(x, xc, c)
 
 
@@ -143,8 +155,7 @@ def copy_from_ckpt_ref(
     x = src_temporal.index_select(0, si).transpose(0, 1)
     dst_temporal.index_copy_(1, di, x.to(dst_temporal.dtype))
     if src_conv is not None:
-        c = src_conv.index_select(0, si).transpose(0, 1)
-        dst_conv.index_copy_(1, di, c.reshape((c.shape[0], c.shape[1]) + dst_conv.shape[2:]).to(dst_conv.dtype))
+        _conv_from_ckpt(src_conv, si, dst_conv, di)
 
 
 def conv_windows_ref(conv_src: torch.Tensor, token_ends, width: int) -> torch.Tensor:
