@@ -56,3 +56,16 @@ def test_recycle_skips_pinned_and_unlanded():
     assert tree.recycle_path(node, PlacementPolicy()).handles == []
     tree.release_pin(m.pin)
     assert tree.recycle_path(node, PlacementPolicy()).handles == cks[128].handles
+
+
+def test_export_candidates_prompt_end_and_branch_point():
+    pol = PlacementPolicy()
+    grid = [64, 128, 192, 256]  # an extend of [0, 300)
+    assert pol.export_candidates(grid, 300, prompt_len=300, branch_point=150) == {256: K.PROMPT_END, 128: K.BRANCH}
+    assert pol.export_candidates(grid, 300, prompt_len=300, branch_point=256) == {256: K.PROMPT_END | K.BRANCH}
+    assert pol.export_candidates(grid, 300, prompt_len=1000, branch_point=150) == {128: K.BRANCH}  # a middle chunk
+    assert pol.export_candidates(grid, 300, prompt_len=None) == {256: K.PROMPT_END}  # unknown: taken as reached
+    assert pol.export_candidates(grid, 300, prompt_len=300, branch_point=40) == {256: K.PROMPT_END}  # none below
+    assert pol.export_candidates([], 50, prompt_len=50, branch_point=10) == {}
+    assert PlacementPolicy(at_prompt_end=False).export_candidates(grid, 300, 300, 150) == {128: K.BRANCH}
+    assert PlacementPolicy(at_branch_points=False).export_candidates(grid, 300, 300, 150) == {256: K.PROMPT_END}

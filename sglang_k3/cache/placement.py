@@ -56,6 +56,30 @@ class PlacementPolicy:
             add(branch_point, CheckpointKind.BRANCH)
         return plan
 
+    def export_candidates(
+        self,
+        grid: Sequence[int],
+        end: int,
+        prompt_len: Optional[int],
+        branch_point: Optional[int] = None,
+    ) -> dict[int, CheckpointKind]:
+        """Which of an extend's exported chunk-boundary states to keep, with why. ``grid`` are the
+        absolute positions with an exported state (ascending), ``end`` the extent the extend
+        reaches, ``prompt_len`` the request's prompt length (None: unknown, taken as reached) and
+        ``branch_point`` the one found at match time. At most two: the last grid point if the
+        extend reaches the prompt end (so a repeated or fully contained prompt still hits) and
+        the grid point at or below the branch point (so requests sharing only that prefix hit)."""
+        wanted: dict[int, CheckpointKind] = {}
+        if not grid:
+            return wanted
+        if self.at_prompt_end and (prompt_len is None or end >= prompt_len):
+            wanted[grid[-1]] = CheckpointKind.PROMPT_END
+        if self.at_branch_points and branch_point is not None:
+            below = [g for g in grid if g <= branch_point]
+            if below:
+                wanted[below[-1]] = wanted.get(below[-1], CheckpointKind(0)) | CheckpointKind.BRANCH
+        return wanted
+
     def decode_checkpoint(self, seq_len: int) -> bool:
         """After a decode step the sequence has ``seq_len`` processed tokens: snapshot now?"""
         return bool(self.decode_interval) and seq_len % self.decode_interval == 0 and seq_len % self.hit_unit == 0  # type: ignore[operator]
