@@ -2,9 +2,11 @@
 
 The k3 cache keeps states at chunk boundaries that the extend forward computes anyway. Upstream
 only exports them for its own ``extra_buffer`` tracking; under ``no_buffer`` they are dropped.
-This AROUND hook tells the export stash which sequences (by active slot, prefix and extend length)
-this forward covers and which KDA layer is running, so the kernel hook can keep its ``h``.
-It does nothing unless the k3 cache enabled the stash.
+This AROUND hook tells the export stash which sequences (by active slot, prefix and extend length,
+and request id: ``ForwardBatch.rids``, set for every batch built by ``ForwardBatch.init_new``)
+this forward covers and which KDA layer is running, so the kernel hook can keep the rows of its
+``h`` that the cache may store. Without request ids the stash keeps each sequence's last grid
+point only. It does nothing unless the k3 cache enabled the stash.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def forward_extend_recording(original, self, layer, forward_batch, mixed_qkv, a,
         self.forward_metadata.mamba_cache_indices.tolist(),
         list(forward_batch.extend_prefix_lens_cpu),
         list(forward_batch.extend_seq_lens_cpu),
+        rids=None if getattr(forward_batch, "rids", None) is None else list(forward_batch.rids),
     )
     token = CURRENT_EXTEND.set((layer.layer_id, mixed_qkv))
     try:

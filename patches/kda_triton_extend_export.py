@@ -2,8 +2,9 @@
 
 ``chunk_kda`` computes the state at every 64-token boundary in the same forward; asking for it
 costs no second pass (measured on the H200: no slower than without). When the backend hook marked
-an extend as recorded, this AROUND hook sets ``return_intermediate_states=True``, keeps ``h`` in
-the stash and returns the output alone, as the caller expects.
+an extend as recorded, this AROUND hook sets ``return_intermediate_states=True``, hands ``h`` and
+the layer's pre-conv rows to the stash (which copies out only the planned boundary rows; the full
+tensors are released when the layer returns) and returns the output alone, as the caller expects.
 """
 from __future__ import annotations
 

@@ -90,7 +90,10 @@ class K3RadixCache(BasePrefixCache):
         self._kv_device = self.req_to_token_pool.req_to_token.device
         # Branch points found at match time (Marconi-style speculative insertion), by request id.
         self._branch_points: dict[str, int] = {}
-        STASH.enabled = True  # the extend forward keeps its chunk-boundary states for us
+        # Prompt lengths at match time, by request id: whether an extend reaches the prompt end.
+        self._prompt_lens: dict[str, int] = {}
+        # The extend forward keeps, of its chunk-boundary states, the ones we may store.
+        STASH.enable(self._export_candidates, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]))
         logger.info("k3 radix cache: %s checkpoints of %d bytes, placement %s",
                     self.store.dtype, self.store.slot_bytes, self.placement)
 
@@ -113,6 +116,8 @@ class K3RadixCache(BasePrefixCache):
         if self._namespaced(key) or len(key) == 0:
             return miss  # LoRA / cache-salt namespaces are not shared through this tree
         tokens = list(key.raw_token_ids())
+        if params.cow_mamba and params.req is not None:
+            self._prompt_lens[params.req.rid] = len(params.req.origin_input_ids)
         if params.cow_mamba and params.req is not None and self.placement.at_branch_points:
             bp = self.tree.find_branch_point(tokens)
             if bp:
@@ -231,24 +236,23 @@ class K3RadixCache(BasePrefixCache):
         seq = STASH.lookup(int(req.kv.mamba_pool_idx), up_to)
         if seq is None:
             return
-        grid = seq.grid()
-        if not grid:
-            return
-        wanted: dict[int, CheckpointKind] = {}
-        if self.placement.at_prompt_end and up_to >= len(req.origin_input_ids):
-            wanted[grid[-1]] = CheckpointKind.PROMPT_END
-        bp = self._branch_points.get(req.rid)
-        if bp is not None:
-            below = [g for g in grid if g <= bp]
-            if below:
-                wanted[below[-1]] = wanted.get(below[-1], CheckpointKind(0)) | CheckpointKind.BRANCH
+        wanted = self.placement.export_candidates(
+            seq.grid(), up_to, len(req.origin_input_ids), self._branch_points.get(req.rid)
+        )
         for pos, kind in sorted(wanted.items()):
-            if self._has_checkpoint_at(node, pos):
-                continue
+            if self._has_checkpoint_at(node, pos) or STASH.row(seq, pos) is None:
+                continue  # already there, or the forward did not keep that state
             handle = self._pinned(node, self.store.capture_export, seq, pos)
             if handle is None:
                 return
             self._register(node, pos, handle, kind)
+
+    def _export_candidates(self, rid: str, seq) -> list[int]:
+        """The stash's planner, asked when an extend forward begins: the grid points of ``seq``
+        that ``_store_exported`` may store after it (the same rule, with match-time data)."""
+        return list(self.placement.export_candidates(
+            seq.grid(), seq.end, self._prompt_lens.get(rid), self._branch_points.get(rid)
+        ))
 
     def _pinned(self, node, fn, *args):
         """Run a storing operation (it may allocate and so evict) with the request's path locked
@@ -314,6 +318,7 @@ class K3RadixCache(BasePrefixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         self._release_pin(req.rid)
         self._branch_points.pop(req.rid, None)
+        self._prompt_lens.pop(req.rid, None)
         self._free_request_slot(req)
 
     # ---------------------------------------------------------------- eviction and sizes
@@ -377,6 +382,7 @@ class K3RadixCache(BasePrefixCache):
                 self.store.free(freed.handles)  # our own pool: SGLang does not clear it
             self.root_node = self.tree.root
             self._branch_points.clear()
+            self._prompt_lens.clear()
             self._pins.clear()
             STASH.clear()
 

@@ -21,7 +21,7 @@ import torch
 
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_pool import CheckpointPool
-from sglang_k3.state.export_stash import CHUNK, STASH, SeqExport
+from sglang_k3.state.export_stash import STASH, SeqExport
 
 CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
 
@@ -53,9 +53,12 @@ class NativeSlotStore:
         return active_slot
 
     def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
+        if len(STASH.layers) != len(self.slots.rtp.mamba_map) or STASH.row(seq, pos) is None:
+            return None  # not every KDA layer recorded this forward, or that state was not kept
         dst = self.slots.alloc()
-        if dst is not None:
-            STASH.store(seq, pos, dst, self.slots.rtp)
+        if dst is not None and not STASH.store(seq, pos, dst, self.slots.rtp):
+            self.slots.free([dst])  # defensive (row() said it was kept): never keep a blank slot
+            return None
         return dst
 
     def restore(self, handle: int, req) -> None:
@@ -101,14 +104,19 @@ class QuantizedStore:
     def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
         if len(STASH.layers) != self.pool.L:
             return None  # not every KDA layer recorded this forward: no complete state
+        j = STASH.row(seq, pos)
+        if j is None:
+            return None  # the forward did not keep that state
         dst = self.alloc()
         if dst is None:
             return None
-        r = pos - seq.prefix
-        for layer_id, (h, mixed_qkv) in STASH.layers.items():
+        for layer_id, rows in STASH.layers.items():
+            # The stash's compact rows: state j is h row j; its conv window is conv row j, i.e.
+            # the `width` rows of the flattened [n*width, D] stream ending at (j+1)*width.
+            width = rows.conv.shape[1]
             res = self.pool.store_from_intermediate(
-                self._pool_layer[layer_id], h, [seq.chunk_offset + r // CHUNK], [dst],
-                state_v_first=True, conv_src=mixed_qkv, token_ends=[seq.row_start + r],
+                self._pool_layer[layer_id], rows.h, [j], [dst], state_v_first=True,
+                conv_src=rows.conv.reshape(-1, rows.conv.shape[-1]), token_ends=[(j + 1) * width],
             )
             if not res.all_ok:
                 return None  # refused and released by the pool

@@ -1,20 +1,41 @@
-"""States exported by the extend forward at chunk boundaries, kept until the cache picks some.
+"""States exported by the extend forward at chunk boundaries: only the rows the cache may store.
 
 The KDA extend kernel already computes the state at every 64-token chunk boundary of each
 sequence (fla's ``chunk_kda(..., return_intermediate_states=True)``; the CPU kernel likewise).
 The hooks in ``patches/kda_backend_forward_extend.py`` and ``patches/kda_triton_extend_export.py``
-record, per KDA layer, those states ``h`` and the raw pre-conv input of the forward. The conv
-state after position ``p`` is the ``K-1`` pre-conv rows before ``p``, so nothing is recomputed:
+hand this stash, per KDA layer, those states ``h`` (``[1, NT, H, V, K]``: one per chunk of the
+whole extend) and the layer's raw pre-conv token stream ``mixed_qkv`` (``[T, D]``). The conv state
+after position ``p`` is the ``width = K-1`` pre-conv rows before ``p``, so nothing is recomputed:
 a checkpoint at a chunk boundary costs one store into a slot, never a second forward.
 
-The stash holds references for one forward only: it is cleared when the next extend forward
-begins, and a lookup checks that the sequence's extent matches, so a state is never stored under a
-boundary it was not computed for.
+**Only candidate rows are kept.** The cache stores at most two of a sequence's chunk-boundary
+states per forward: the last grid point before the prompt end and the one at or below the
+sequence's radix branch point (:meth:`sglang_k3.cache.PlacementPolicy.export_candidates`). So when
+a forward begins (:meth:`ExportStash.begin`), the stash asks the cache's *planner*, per request id,
+which grid positions it may want, and :meth:`ExportStash.record_layer` copies just those: one
+``index_select`` of ``h`` (flattened to ``[B*NT, ...]``) and one of ``mixed_qkv`` (``width`` rows
+before each planned boundary). Nothing of the full ``h`` or ``mixed_qkv`` outlives the layer.
+
+Why: keeping references to the full tensors until the next forward pins memory that SGLang's
+memory planner never budgeted. At Kimi-Linear-48B dimensions (20 KDA layers, 32 heads, 128 x 128
+states, D = 12288) a 64k-token extend exports ``h`` of 1 GiB and ``mixed_qkv`` of 1.5 GiB per layer:
+50 GiB for the whole forward. The candidate rows are at most 2 x (1 MiB of bf16 state + 3 x 24 KiB
+of conv rows) per sequence per layer: about 43 MiB per sequence for the whole model, independent
+of the extend length. :meth:`ExportStash.stash_bytes` reports what is held; ``peak_bytes`` and
+``peak_exported_bytes`` (the size of the full tensors a stash of references would have pinned)
+are shown in the cache's stats (``/server_info`` -> ``internal_states[i].k3_cache``).
+
+Without a planner or without request ids for the forward (``forward_batch.rids`` is None), the
+stash keeps the last grid point of each sequence only (the prompt-end candidate, the common hit).
+
+The stash holds one forward only: it is cleared when the next extend forward begins. A lookup
+checks the sequence's extent, and a position that was not planned is "not available" (``None``):
+the cache then does not store it. A state is never stored under a boundary it was not computed for.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -28,6 +49,7 @@ class SeqExport:
     length: int  # tokens in this extend
     row_start: int  # first row of the sequence in the batch's token rows
     chunk_offset: int  # first row of the sequence in h's packed chunk axis
+    rid: Optional[str] = None  # the request id, when the forward batch carries them
 
     @property
     def end(self) -> int:
@@ -38,55 +60,150 @@ class SeqExport:
         return [self.prefix + r for r in range(CHUNK, self.length, CHUNK)]
 
 
+# (request id, sequence) -> absolute positions among ``seq.grid()`` whose state may be stored.
+Planner = Callable[[str, SeqExport], Iterable[int]]
+
+
+class LayerRows(NamedTuple):
+    """One KDA layer's kept rows; row ``j`` belongs to the ``j``-th planned (slot, pos) pair."""
+
+    h: torch.Tensor  # [n, *h.shape[-3:]]: h's state after each planned boundary, h's dtype
+    conv: torch.Tensor  # [n, width, D]: the pre-conv rows before each boundary, oldest first
+
+
 class ExportStash:
     def __init__(self) -> None:
         self.enabled = False
+        self.planner: Optional[Planner] = None
+        self.conv_width: Optional[int] = None
         self._batch_key: Optional[int] = None
         self.seqs: dict[int, SeqExport] = {}
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Recorded KDA layers of this forward: model layer id -> kept rows, None if none planned.
+        self.layers: dict[int, Optional[LayerRows]] = {}
+        self._rows: dict[tuple[int, int], int] = {}  # (slot, pos) -> row j of every layer's rows
+        self._chunk_idx: list[int] = []  # row j -> index into h flattened to [B*NT, ...]
+        self._token_rows: list[int] = []  # row j -> its `width` rows of mixed_qkv, flattened
+        self._dev_idx: Optional[tuple[torch.device, torch.Tensor, torch.Tensor]] = None
+        self._held = 0  # bytes of the kept rows
+        self._exported = 0  # bytes of the full h and mixed_qkv handed over this forward
+        self.peak_bytes = 0
+        self.peak_exported_bytes = 0
 
+    # ------------------------------------------------------------------ configuration
+    def enable(self, planner: Optional[Planner], conv_width: int) -> None:
+        """Turn recording on. ``conv_width`` is the conv state's row count (``K-1``: the mamba
+        pool's ``conv.shape[-2]``); ``planner`` picks, per request, the positions to keep."""
+        if not 0 < conv_width <= CHUNK:
+            raise ValueError(f"conv width {conv_width} must be in (0, {CHUNK}]")
+        self.planner = planner
+        self.conv_width = int(conv_width)
+        self.enabled = True
+
+    # ------------------------------------------------------------------ recording
     def begin(self, batch_key: int, layer_id: int, slots: list[int], prefix_lens: list[int],
-              extend_lens: list[int]) -> None:
+              extend_lens: list[int], rids: Optional[list[str]] = None) -> None:
         """Called at each KDA layer of an extend forward; resets on a new forward (a new batch
-        object, or a layer seen again: layers run in order within one forward)."""
+        object, or a layer seen again: layers run in order within one forward) and plans the
+        rows to keep for it."""
         if batch_key == self._batch_key and layer_id not in self.layers:
             return
+        self.clear()
         self._batch_key = batch_key
-        self.layers = {}
-        self.seqs = {}
+        if rids is not None and len(rids) != len(slots):
+            rids = None  # not one id per sequence (a padded batch): plan without ids
         row = chunk = 0
-        for slot, pre, n in zip(slots, prefix_lens, extend_lens):
+        for i, (slot, pre, n) in enumerate(zip(slots, prefix_lens, extend_lens)):
             if slot >= 0:
-                self.seqs[slot] = SeqExport(slot, pre, n, row, chunk)
+                seq = SeqExport(slot, pre, n, row, chunk, None if rids is None else rids[i])
+                self.seqs[slot] = seq
+                self._plan(seq)
             row += n
             chunk += -(-n // CHUNK)
 
-    def record_layer(self, layer_id: int, h: torch.Tensor, mixed_qkv: torch.Tensor) -> None:
-        self.layers[layer_id] = (h, mixed_qkv)
+    def _plan(self, seq: SeqExport) -> None:
+        grid = seq.grid()
+        if not grid or self.conv_width is None:
+            return
+        if self.planner is None or seq.rid is None:
+            wanted = {grid[-1]}  # no way to ask: the prompt-end candidate only
+        else:
+            wanted = set(self.planner(seq.rid, seq)) & set(grid)
+        width = self.conv_width
+        for pos in sorted(wanted):
+            r = pos - seq.prefix
+            self._rows[(seq.slot, pos)] = len(self._chunk_idx)
+            self._chunk_idx.append(seq.chunk_offset + r // CHUNK)
+            end = seq.row_start + r
+            self._token_rows.extend(range(end - width, end))
 
+    def _indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._dev_idx is None or self._dev_idx[0] != device:
+            ci = torch.tensor(self._chunk_idx, dtype=torch.long, device=device)
+            ti = torch.tensor(self._token_rows, dtype=torch.long, device=device)
+            self._dev_idx = (device, ci, ti)
+        return self._dev_idx[1], self._dev_idx[2]
+
+    def record_layer(self, layer_id: int, h: torch.Tensor, mixed_qkv: torch.Tensor) -> None:
+        """Keep this layer's planned rows of ``h`` and ``mixed_qkv`` (copies); drop the rest."""
+        self._exported += h.numel() * h.element_size() + mixed_qkv.numel() * mixed_qkv.element_size()
+        self.peak_exported_bytes = max(self.peak_exported_bytes, self._exported)
+        if not self._chunk_idx:
+            self.layers[layer_id] = None  # recorded, nothing planned
+            return
+        ci, ti = self._indices(h.device)
+        h_rows = h.reshape((-1,) + tuple(h.shape[-3:])).index_select(0, ci)
+        src = mixed_qkv.reshape(-1, mixed_qkv.shape[-1])
+        conv_rows = src.index_select(0, ti).view(len(self._chunk_idx), self.conv_width, src.shape[-1])
+        self.layers[layer_id] = LayerRows(h_rows, conv_rows)
+        self._held += h_rows.numel() * h_rows.element_size() + conv_rows.numel() * conv_rows.element_size()
+        self.peak_bytes = max(self.peak_bytes, self._held)
+
+    # ------------------------------------------------------------------ use
     def lookup(self, slot: int, end: int) -> Optional[SeqExport]:
         seq = self.seqs.get(slot)
         if seq is None or seq.end != end or not self.layers:
             return None
         return seq
 
-    def store(self, seq: SeqExport, pos: int, dst_slot: int, req_to_token_pool) -> None:
-        """Write the state after absolute position ``pos`` (a grid point of ``seq``) into
-        ``dst_slot`` for every recorded KDA layer: recurrent from h, conv from the pre-conv rows."""
-        r = pos - seq.prefix
-        assert 0 < r < seq.length and r % CHUNK == 0, (pos, seq)
-        for layer_id, (h, mixed_qkv) in self.layers.items():
+    def row(self, seq: SeqExport, pos: int) -> Optional[int]:
+        """Row of the state after absolute position ``pos`` of ``seq`` in every recorded layer's
+        :class:`LayerRows`; None when it was not kept (not planned, or not this forward's)."""
+        if self.seqs.get(seq.slot) is not seq:
+            return None
+        j = self._rows.get((seq.slot, pos))
+        if j is None or not self.layers or any(rows is None for rows in self.layers.values()):
+            return None
+        return j
+
+    def store(self, seq: SeqExport, pos: int, dst_slot: int, req_to_token_pool) -> bool:
+        """Write the state after absolute position ``pos`` of ``seq`` into mamba slot ``dst_slot``
+        for every recorded KDA layer (recurrent from ``h``, conv from the pre-conv rows), in the
+        pool's dtype. False, writing nothing, if that state was not kept."""
+        j = self.row(seq, pos)
+        if j is None:
+            return False
+        for layer_id, rows in self.layers.items():
             cache = req_to_token_pool.mamba2_layer_cache(layer_id)
             temporal, conv = cache.temporal, cache.conv[0]
-            temporal[dst_slot] = h[0, seq.chunk_offset + r // CHUNK].to(temporal.dtype)
-            width = conv.shape[-2]  # K - 1 rows of pre-conv input
-            rows = mixed_qkv[seq.row_start + r - width : seq.row_start + r]
-            conv[dst_slot] = rows.to(conv.dtype)
+            assert conv.shape[-2] == rows.conv.shape[1], (conv.shape, rows.conv.shape)
+            temporal[dst_slot] = rows.h[j].to(temporal.dtype)
+            conv[dst_slot] = rows.conv[j].to(conv.dtype)
+        return True
+
+    def stash_bytes(self) -> int:
+        """Bytes of the rows held now (the full exported tensors are never held)."""
+        return self._held
 
     def clear(self) -> None:
         self._batch_key = None
         self.seqs = {}
         self.layers = {}
+        self._rows = {}
+        self._chunk_idx = []
+        self._token_rows = []
+        self._dev_idx = None
+        self._held = 0
+        self._exported = 0
 
 
 STASH = ExportStash()
