@@ -56,3 +56,38 @@ def test_ab_hit_rate_k3_at_least_upstream(server_factory):
     print(f"\nA/B token hit rate: k3 {rates['k3']:.3f} upstream {rates['upstream']:.3f}")
     assert rates["k3"] >= rates["upstream"]
     assert rates["k3"] > 0.3
+
+
+def _k3_state(s) -> dict:
+    r = requests.get(s.url + "/server_info", timeout=60)
+    r.raise_for_status()
+    return r.json()["internal_states"][0]["k3_cache"]
+
+
+def test_export_stash_keeps_only_candidate_rows(server_factory):
+    """After an extend, the export stash holds one chunk-boundary row per KDA layer per candidate
+    (prompt end; branch point), not the forward's full exported states. On the fp32 server a
+    row of every KDA layer is exactly one fp32 checkpoint (fp32 states, conv rows in the pool's
+    dtype), so the bound reads in checkpoint units."""
+    s = server_factory("k3")
+    _flush(s)
+    rng = random.Random(13)
+    a = random_tokens(rng, 1000)
+    s.generate(a, 3)
+    st = _k3_state(s)
+    row = st["checkpoint_slot_bytes"]
+    assert st["export_stash_bytes"] == row  # the last grid point before the prompt end only
+    # What keeping the forward's full tensors would hold: h at all 15 boundaries plus the whole
+    # pre-conv stream of each layer.
+    assert st["export_full_peak_bytes"] > 15 * row
+    # A request sharing 300 tokens with `a`: its extend keeps the prompt-end row and the row at
+    # the branch point (256): two rows, and they are what a third sibling restores from.
+    b = a[:300] + random_tokens(rng, 700)
+    s.generate(b, 3)
+    st = _k3_state(s)
+    assert st["export_stash_bytes"] == 2 * row
+    assert st["export_stash_peak_bytes"] >= 2 * row  # a lifetime peak (the server is shared)
+    c = s.generate(a[:300] + random_tokens(rng, 100), 3)
+    assert c["meta_info"]["cached_tokens"] == 256
+    # c's extend runs from 256 to 400 (grid points 320 and 384): only the prompt-end one is kept.
+    assert _k3_state(s)["export_stash_bytes"] == row

@@ -393,6 +393,11 @@ class K3RadixCache(BasePrefixCache):
             checkpoint_count=self.tree.checkpoint_count(),
             checkpoint_bytes=self.tree.checkpoint_bytes(),
             kv_tokens=self.tree.total_size(),
+            # Exported chunk-boundary rows held between a forward and its checkpoints (memory
+            # SGLang's planner does not budget), and what keeping the full tensors would pin.
+            export_stash_bytes=STASH.stash_bytes(),
+            export_stash_peak_bytes=STASH.peak_bytes,
+            export_full_peak_bytes=STASH.peak_exported_bytes,
         )
         return d
 

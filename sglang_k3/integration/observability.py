@@ -50,6 +50,9 @@ GAUGES: dict[str, str] = {
     "checkpoint_bytes": "Bytes held by live checkpoints.",
     "checkpoint_slot_bytes": "Bytes of one checkpoint (all KDA layers of one boundary).",
     "kv_tokens": "MLA KV tokens held by the k3 tree.",
+    "export_stash_bytes": "Bytes of exported chunk-boundary state rows held for the cache until the next extend.",
+    "export_stash_peak_bytes": "Peak of export_stash_bytes since start.",
+    "export_full_peak_bytes": "Peak bytes of one extend's full exported states and pre-conv rows (not held).",
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
