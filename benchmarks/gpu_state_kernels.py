@@ -13,10 +13,15 @@ Measures, in the same process:
        copy_to_ckpt / copy_from_ckpt for fp32 and bf16 checkpoints,
      and upstream-style torch ops for the same moves (index_select / amax / round / clamp /
      index_copy), each as a fraction of (1);
+     each also as a fraction of a torch copy moving the same number of bytes (a small move pays
+     the same launch ramp-up and tail as any kernel of its size);
   4. checkpoint export from chunk_kda at T = 4k, 16k, 64k (48B layer dims, B = 1): chunk_kda with
      vs without ``return_intermediate_states`` plus our ``store_intermediate`` (int8, conv windows
-     included) at every 1024 tokens, and at every chunk (worst case), as a fraction of the prefill.
-Writes DIR/gpu_state_kernels.json and DIR/gpu_state_kernels.png.
+     included) for k3's placement (two states per sequence: the last boundary before the prompt
+     end and one at a branch point), every 1024 tokens, and every chunk (worst case), as a
+     fraction of the prefill. Device time from the profiler's kernel durations, so a host-bound
+     4k call is measured like a big one.
+Writes DIR/gpu_state_kernels.json and DIR/gpu_state_kernels.png (``--only`` writes DIR/gpu_PART.json).
 
 Timing: CUDA events around back-to-back launches that rotate over enough distinct slots that one
 round's data is well above the 50 MB L2 (so no launch reads what the previous one left in L2);
@@ -198,16 +203,23 @@ def bench_dims(name, d, cfg, copy_bw, results, with_torch=True):
         if not with_torch_n:
             log("  (torch baselines skipped at this size: their temporaries would not fit)")
 
+        same_bytes = {}  # bytes -> bandwidth of a torch copy moving as many bytes (read + write)
+
         def rec(kernel, impl, fns):
             sec = time_graph(fns)
             eager = time_rotating(fns, windows=3)
             b = bytes_of(kernel, n, L, H, V, K, conv_n)
+            if b not in same_bytes:
+                same_bytes[b] = sized_copy_bandwidth(b)
             bw = b / sec
             results.append(dict(dims=name, batch=n, kernel=kernel, impl=impl, time_us=sec * 1e6,
                                 eager_us=eager * 1e6, bytes=b, bw_GBs=bw / 1e9, frac_of_copy=bw / copy_bw,
-                                eager_frac_of_copy=b / eager / copy_bw))
+                                eager_frac_of_copy=b / eager / copy_bw,
+                                same_bytes_copy_frac=same_bytes[b] / copy_bw,
+                                frac_of_same_bytes_copy=bw / same_bytes[b]))
             log(f"  {kernel:22s} {impl:7s} {sec * 1e6:10.1f} us  {bw / 1e12:6.3f} TB/s  {bw / copy_bw:6.1%}"
-                f"   (eager {eager * 1e6:.1f} us, {b / eager / copy_bw:.1%})")
+                f"  (of a same-bytes copy {bw / same_bytes[b]:6.1%}; eager {eager * 1e6:.1f} us, "
+                f"{b / eager / copy_bw:.1%})")
 
         flags = torch.zeros(n, dtype=torch.int32, device="cuda")
         qk = dict(cfg["quant"], bad=flags)
@@ -249,12 +261,6 @@ def bench_dims(name, d, cfg, copy_bw, results, with_torch=True):
                 tk.copy_from_ckpt(dq, cc, idx[0], t, c, idx[0], **ck)
                 assert torch.equal(t[:, idx_l[0]], x0)
             del dq
-        # same-size plain copy, for context on small batches
-        b = bytes_of("copy_to_ckpt_fp32", n, L, H, V, K, conv_n)
-        sbw = sized_copy_bandwidth(b)
-        results.append(dict(dims=name, batch=n, kernel="same_size_copy", impl="torch", time_us=b / sbw * 1e6,
-                            bytes=b, bw_GBs=sbw / 1e9, frac_of_copy=sbw / copy_bw))
-        log(f"  {'same_size_copy':22s} torch   {b / sbw * 1e6:10.1f} us  {sbw / 1e12:6.3f} TB/s  {sbw / copy_bw:6.1%}")
         del t, c, cc
         torch.cuda.empty_cache()
 
@@ -305,6 +311,25 @@ def sweep(copy_bw, n=8):
     del t, c, q, s, cc, dq
     torch.cuda.empty_cache()
     return out, {k: v[1] for k, v in best.items()}
+
+
+def device_time(fn, iters=10):
+    """Device-busy time per call: the sum of the GPU kernel (and memcpy/memset) durations the
+    profiler records over ``iters`` calls, divided by ``iters``. Host launch gaps are not in it,
+    so a host-bound call (chunk_kda at 4k tokens) is measured by its kernels, like a big one."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if total <= 0:
+        raise RuntimeError("the profiler recorded no device time")
+    return total / iters / 1e6
 
 
 def bench_export(results, cfg):
@@ -360,23 +385,36 @@ def bench_export(results, cfg):
             mism = int((qck[0, 0] != qr).sum()), int((sck[0, 0] != sr).sum())
             log(f"  export check: int8 code mismatches {mism[0]}, scale mismatches {mism[1]}")
 
+            # k3's placement keeps at most two exported states per sequence and forward: the
+            # last chunk boundary before the prompt end and the one at or below a branch point
+            k3_ci = torch.tensor([NT // 2, NT - 1], device="cuda", dtype=torch.int32)
+            sl_k3 = torch.arange(2, device="cuda", dtype=torch.int32)
+            te_k3 = k3_ci * 64
             tb, th = [], []
-            for _ in range(3):  # interleave to cancel drift
-                tb.append(time_rotating([base], min_time=0.1, windows=3))
-                th.append(time_rotating([with_h], min_time=0.1, windows=3))
+            for _ in range(3):  # interleave to cancel drift; device time (profiler): no host gaps
+                tb.append(device_time(base))
+                th.append(device_time(with_h))
             t_base, t_h = statistics.median(tb), statistics.median(th)
-            t_sparse = time_graph([store(sparse_ci, sl_sparse, te_sparse)], min_time=0.05)
-            t_all = time_graph([store(all_ci, sl_all, te_all)], min_time=0.05)
-        row = dict(T=T, H=H, D=D, chunk_kda_us=t_base * 1e6, chunk_kda_with_h_us=t_h * 1e6,
+            t_sparse = device_time(store(sparse_ci, sl_sparse, te_sparse), iters=20)
+            t_all = device_time(store(all_ci, sl_all, te_all), iters=20)
+            t_k3 = device_time(store(k3_ci, sl_k3, te_k3), iters=20)
+            t_base_eager = time_rotating([base], min_time=0.1, windows=3)
+        row = dict(T=T, H=H, D=D, timing="device time (profiler kernel durations)",
+                   chunk_kda_us=t_base * 1e6, chunk_kda_with_h_us=t_h * 1e6,
+                   chunk_kda_eager_wall_us=t_base_eager * 1e6,
                    store_every_1024_us=t_sparse * 1e6, n_ckpt_sparse=len(sparse_ci),
                    store_every_chunk_us=t_all * 1e6, n_ckpt_all=len(all_ci),
+                   store_k3_placement_us=t_k3 * 1e6, n_ckpt_k3=2,
+                   overhead_k3=(t_h - t_base + t_k3) / t_base,
                    overhead_sparse=(t_h - t_base + t_sparse) / t_base,
                    overhead_all=(t_h - t_base + t_all) / t_base,
                    return_h_delta=(t_h - t_base) / t_base, check_mismatches=mism)
         results.append(row)
-        log(f"[export T={T}] chunk_kda {t_base * 1e6:.0f} us, with h {t_h * 1e6:.0f} us, store {len(sparse_ci)} ckpts "
-            f"{t_sparse * 1e6:.1f} us, store {len(all_ci)} ckpts {t_all * 1e6:.1f} us -> overhead "
-            f"{row['overhead_sparse']:.2%} (every 1024) / {row['overhead_all']:.2%} (every chunk)")
+        log(f"[export T={T}] chunk_kda {t_base * 1e6:.0f} us device ({t_base_eager * 1e6:.0f} us eager wall), "
+            f"with h {t_h * 1e6:.0f} us; store 2 (k3) {t_k3 * 1e6:.1f} us, {len(sparse_ci)} ckpts "
+            f"{t_sparse * 1e6:.1f} us, {len(all_ci)} ckpts {t_all * 1e6:.1f} us -> overhead "
+            f"{row['overhead_k3']:.2%} (k3) / {row['overhead_sparse']:.2%} (every 1024) / "
+            f"{row['overhead_all']:.2%} (every chunk)")
         del q, k, v, g, beta, h, qck, sck, cck, stream
         torch.cuda.empty_cache()
 
@@ -401,6 +439,13 @@ def plot(data, path):
                 xs = [i + (bi * 2 + ii - 2.5) * width for i in range(len(kernels))]
                 ax.bar(xs, ys, width, label=f"{impl} b={n}", alpha=1.0 if impl == "triton" else 0.45,
                        color=f"C{bi}")
+                if impl == "triton":  # black tick: a torch copy moving the same bytes
+                    sb = [next((r.get("same_bytes_copy_frac") for r in rows if r["dims"] == dims
+                                and r["batch"] == n and r["kernel"] == kname), None) for kname in kernels]
+                    pts = [(x, y) for x, y in zip(xs, sb) if y is not None]
+                    if pts:
+                        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="_", color="k", s=60,
+                                   zorder=3, label="same-bytes torch copy" if bi == 0 else None)
         ax.axhline(0.85, color="k", ls="--", lw=1)
         ax.set_xticks(range(len(kernels)))
         ax.set_xticklabels(kernels, rotation=30, ha="right", fontsize=8)
@@ -410,6 +455,8 @@ def plot(data, path):
     ex = data["export"]
     ax = axes[2]
     Ts = [r["T"] for r in ex]
+    if all("overhead_k3" in r for r in ex):
+        ax.plot(Ts, [100 * r["overhead_k3"] for r in ex], "^-", label="h export + store 2 (k3 placement)")
     ax.plot(Ts, [100 * r["overhead_sparse"] for r in ex], "o-", label="h export + store every 1024 tok")
     ax.plot(Ts, [100 * r["overhead_all"] for r in ex], "s-", label="h export + store every chunk")
     ax.axhline(2, color="k", ls="--", lw=1)
@@ -427,6 +474,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plot-only", default=None, help="re-plot from an existing JSON")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", choices=("kernels", "export"), default=None,
+                    help="run one part: the kernel table or the chunk_kda export (writes gpu_PART.json)")
     ap.add_argument("--sweep-only-batch", type=int, default=None, metavar="N",
                     help="only sweep launch configs for batches of N slot pairs; write sweep_bN.json")
     args = ap.parse_args()
@@ -450,13 +499,14 @@ def main():
             json.dump(dict(data, batch=args.sweep_only_batch, sweep=rows, best=best), f, indent=1)
         log(f"best at batch {args.sweep_only_batch}: {best}")
         return
-    cfg = dict(quant=dict(BK=32, num_warps=4), dequant=dict(BK=32, num_warps=4), copy=dict(BT=4096, num_warps=4))
-    if not args.no_sweep:
+    # the wrappers' defaults (the v3/v4 sweeps' best) unless this run sweeps again
+    cfg = dict(quant={}, dequant={}, copy={})
+    if not args.no_sweep and args.only is None:
         data["sweep"], best = sweep(copy_bw)
         cfg.update(best)
     data["config"] = cfg
     log(f"config {cfg}  ({time.time() - t0:.0f} s)")
-    path = os.path.join(args.out, "gpu_state_kernels.json")
+    path = os.path.join(args.out, "gpu_state_kernels.json" if args.only is None else f"gpu_{args.only}.json")
 
     def dump():
         with open(path, "w") as f:
@@ -464,20 +514,22 @@ def main():
 
     data["kernels"] = []
     dump()
-    for name, d in DIMS.items():
+    for name, d in (DIMS.items() if args.only in (None, "kernels") else ()):
         bench_dims(name, d, cfg, copy_bw, data["kernels"])
         dump()
         log(f"({time.time() - t0:.0f} s)")
     data["export"] = []
     try:
-        bench_export(data["export"], cfg)
+        if args.only in (None, "export"):
+            bench_export(data["export"], cfg)
     except Exception as e:  # recorded, not hidden
         data["export_error"] = repr(e)
         log("export benchmark failed:", repr(e))
     data["wall_s"] = time.time() - t0
     dump()
     try:
-        plot(data, os.path.join(args.out, "gpu_state_kernels.png"))
+        if args.only is None:
+            plot(data, os.path.join(args.out, "gpu_state_kernels.png"))
     except Exception as e:
         log("plot failed:", repr(e))
     log(f"wrote {path} in {time.time() - t0:.0f} s")
