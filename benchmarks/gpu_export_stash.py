@@ -55,7 +55,8 @@ def main() -> None:
     times = []
     first = None
     for layer in range(L):
-        stash.begin(1, layer, [1], [0], [T], rids=["r"])
+        if stash.starts_forward(1, layer):
+            stash.begin(1, [1], [0], [T], rids=["r"])
         h, mixed = exports(layer)
         if layer == 0:
             first = (h.clone(), mixed.clone())

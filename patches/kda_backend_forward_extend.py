@@ -35,14 +35,15 @@ def _exportable(backend, forward_batch, mixed_qkv) -> bool:
 def forward_extend_recording(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     if not _exportable(self, forward_batch, mixed_qkv):
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
-    STASH.begin(
-        id(forward_batch),
-        layer.layer_id,
-        self.forward_metadata.mamba_cache_indices.tolist(),
-        list(forward_batch.extend_prefix_lens_cpu),
-        list(forward_batch.extend_seq_lens_cpu),
-        rids=None if getattr(forward_batch, "rids", None) is None else list(forward_batch.rids),
-    )
+    if STASH.starts_forward(id(forward_batch), layer.layer_id):
+        # once per forward: the slot list is a device tensor, and .tolist() waits for the device
+        STASH.begin(
+            id(forward_batch),
+            self.forward_metadata.mamba_cache_indices.tolist(),
+            list(forward_batch.extend_prefix_lens_cpu),
+            list(forward_batch.extend_seq_lens_cpu),
+            rids=None if getattr(forward_batch, "rids", None) is None else list(forward_batch.rids),
+        )
     token = CURRENT_EXTEND.set((layer.layer_id, mixed_qkv))
     try:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)

@@ -56,12 +56,14 @@ def _exports(seed: int, h_dtype=torch.float32, conv_dtype=torch.bfloat16):
 
 
 def _begin(stash: ExportStash, batch_key: int, layer_id: int, rids=True) -> None:
-    stash.begin(
-        batch_key, layer_id,
-        [s for _, s, _, _, _, _ in BATCH], [p for _, _, p, _, _, _ in BATCH],
-        [n for _, _, _, n, _, _ in BATCH],
-        rids=[r for r, *_ in BATCH] if rids else None,
-    )
+    """What the backend hook does at each KDA layer: begin only when a new forward starts."""
+    if stash.starts_forward(batch_key, layer_id):
+        stash.begin(
+            batch_key,
+            [s for _, s, _, _, _, _ in BATCH], [p for _, _, p, _, _, _ in BATCH],
+            [n for _, _, _, n, _, _ in BATCH],
+            rids=[r for r, *_ in BATCH] if rids else None,
+        )
 
 
 def _where(rid: str, pos: int) -> tuple[int, int]:
@@ -184,7 +186,8 @@ def test_without_request_ids_keeps_the_last_grid_point_only():
     assert set(stash._rows) == {(_slot("a"), 256), (_slot("b"), 320), (_slot("d"), 192)}
     assert stash.stash_bytes() == 3 * _row_bytes()
     # A batch whose ids do not line up with its sequences is treated the same way.
-    stash.begin(2, 0, [5], [0], [300], rids=["a", "extra"])
+    assert stash.starts_forward(2, 0)
+    stash.begin(2, [5], [0], [300], rids=["a", "extra"])
     stash.record_layer(0, torch.zeros(1, 5, H, V, KD), torch.zeros(300, D, dtype=torch.bfloat16))
     assert set(stash._rows) == {(5, 256)}
 
@@ -294,3 +297,21 @@ def test_quantized_store_equals_a_store_from_the_full_tensors(pool_and_stash, dt
         for layer in LAYERS:
             assert torch.equal(got["conv"][rtp.mamba_map[layer]],
                                full[layer][1][end - WIDTH : end].to(got["conv"].dtype))
+
+
+def test_a_forward_is_planned_once_not_at_every_layer():
+    """The hook asks ``starts_forward`` at each KDA layer and begins (one device sync for the slot
+    list) only at the first layer of a forward: a new batch, or a layer seen again."""
+    stash = ExportStash()
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    begun = []
+    for key, layers in ((1, LAYERS), (1, LAYERS), (2, LAYERS[:1])):
+        for layer in layers:
+            if stash.starts_forward(key, layer):
+                begun.append((key, layer))
+                stash.begin(key, [s for _, s, _, _, _, _ in BATCH], [p for _, _, p, _, _, _ in BATCH],
+                            [n for _, _, _, n, _, _ in BATCH], rids=[r for r, *_ in BATCH])
+            stash.record_layer(layer, *_exports(layer))
+    # the same batch object running its layers again is a new forward (e.g. a retried batch)
+    assert begun == [(1, LAYERS[0]), (1, LAYERS[0]), (2, LAYERS[0])]
+    assert set(stash.layers) == {LAYERS[0]}

@@ -28,7 +28,10 @@ are shown in the cache's stats (``/server_info`` -> ``internal_states[i].k3_cach
 Without a planner or without request ids for the forward (``forward_batch.rids`` is None), the
 stash keeps the last grid point of each sequence only (the prompt-end candidate, the common hit).
 
-The stash holds one forward only: it is cleared when the next extend forward begins. A lookup
+The stash holds one forward only: it is cleared when the next extend forward begins. That is
+enough because the cache stores right after the forward (``cache_unfinished_req`` in the same
+scheduler step): the k3 cache runs under ``--mamba-radix-cache-strategy no_buffer``, which
+upstream only allows with the overlap schedule off, so no second forward starts in between. A lookup
 checks the sequence's extent, and a position that was not planned is "not available" (``None``):
 the cache then does not store it. A state is never stored under a boundary it was not computed for.
 """
@@ -100,13 +103,15 @@ class ExportStash:
         self.enabled = True
 
     # ------------------------------------------------------------------ recording
-    def begin(self, batch_key: int, layer_id: int, slots: list[int], prefix_lens: list[int],
+    def starts_forward(self, batch_key: int, layer_id: int) -> bool:
+        """Whether the KDA layer ``layer_id`` about to run on batch ``batch_key`` begins a new
+        extend forward: a new batch object, or a layer seen again (layers run in order within
+        one forward). The backend hook calls :meth:`begin` only then."""
+        return batch_key != self._batch_key or layer_id in self.layers
+
+    def begin(self, batch_key: int, slots: list[int], prefix_lens: list[int],
               extend_lens: list[int], rids: Optional[list[str]] = None) -> None:
-        """Called at each KDA layer of an extend forward; resets on a new forward (a new batch
-        object, or a layer seen again: layers run in order within one forward) and plans the
-        rows to keep for it."""
-        if batch_key == self._batch_key and layer_id not in self.layers:
-            return
+        """Start a forward: forget the previous one and plan the rows to keep for this one."""
         self.clear()
         self._batch_key = batch_key
         if rids is not None and len(rids) != len(slots):
