@@ -243,6 +243,22 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
         assert r1.tolist() == r2.tolist()
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+        # all layers in one launch: h and the token stream stacked on a leading layer axis
+        hs = torch.randn((L, 8, H, V, Kd) if vf else (L, 8, H, Kd, V)).bfloat16()
+        hs[2, 5, 1, 0, 0] = float('inf')
+        streams = torch.randn(L, 512, D).bfloat16()
+        for dt in (torch.int8, torch.float32):
+            a, b = mk(), mk()
+            if dt == torch.float32:
+                a = (a[0].float(), None, a[2]); b = (b[0].float(), None, b[2])
+            r1 = ref.store_intermediate_ref(hs, [5, 1], range(L), a[0], a[1], [2, 4], state_v_first=vf,
+                                            conv_src=streams, token_ends=[64, 320], dst_conv=a[2])
+            r2 = tk.store_intermediate(hs, [5, 1], range(L), b[0], b[1], [2, 4], state_v_first=vf,
+                                       conv_src=streams, token_ends=[64, 320], dst_conv=b[2], BK=8, BC=64)
+            assert r1.tolist() == r2.tolist() == [True, False]
+            for x, y in zip(a, b):
+                if x is not None:
+                    assert torch.equal(x[4], y[4])
     print("INTERP_OK")
 """)
 
@@ -317,6 +333,18 @@ def test_cuda_store_intermediate_equals_reference(state_v_first):
         r1 = K.store_intermediate(h, [3, 9, 1], 2, a[0], a[1], [1, 3, 0], dst_conv=a[2], use_triton=True, **kw)
         r2 = K.store_intermediate(h, [3, 9, 1], 2, b[0], b[1], [1, 3, 0], dst_conv=b[2], use_triton=False, **kw)
         assert r1.tolist() == r2.tolist() == [False] * 3
+        for x, y in zip(a, b):
+            if x is not None:
+                assert torch.equal(x, y)
+        # all three layers in one launch from stacked rows == the reference, layer by layer
+        hs = torch.randn(3, 5, H, D, D, device="cuda").to(torch.bfloat16)
+        streams = torch.randn(3, 5 * W, Dc, device="cuda").to(torch.bfloat16)
+        a = [x.zero_() if x is not None else None for x in a]
+        b = [x.clone() if x is not None else None for x in a]
+        kw = dict(state_v_first=state_v_first, conv_src=streams, token_ends=[W * 2, W * 5])
+        r1 = K.store_intermediate(hs, [1, 4], range(3), a[0], a[1], [2, 0], dst_conv=a[2], use_triton=True, **kw)
+        r2 = K.store_intermediate(hs, [1, 4], range(3), b[0], b[1], [2, 0], dst_conv=b[2], use_triton=False, **kw)
+        assert r1.tolist() == r2.tolist() == [False] * 2
         for x, y in zip(a, b):
             if x is not None:
                 assert torch.equal(x, y)

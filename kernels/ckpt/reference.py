@@ -172,7 +172,7 @@ def conv_windows_ref(conv_src: torch.Tensor, token_ends, width: int) -> torch.Te
 def store_intermediate_ref(
     h: torch.Tensor,
     chunk_idx,
-    layer: int,
+    layer,
     dst_q: torch.Tensor,
     dst_scale: Optional[torch.Tensor],
     dst_slots,
@@ -187,7 +187,23 @@ def store_intermediate_ref(
     h: ``[B, NT, HV, K, V]`` (fla default) or ``[B, NT, HV, V, K]`` (``state_v_first``), bf16;
     ``chunk_idx`` indexes the flattened ``B*NT`` axis (h[b, i] = state after 64*i tokens of
     sequence b; for varlen B == 1 and the index is chunk_offsets[seq] + n_tokens // 64).
-    ``dst_scale`` None means a native (bf16/fp32) checkpoint. Returns bad[n_pairs]."""
+    ``dst_scale`` None means a native (bf16/fp32) checkpoint. Returns bad[n_pairs].
+
+    Several layers at once: ``layer`` a sequence of layer indices, ``h`` with a leading axis of
+    that length (``[n_layers, R, HV, *, *]``, ``chunk_idx`` indexing ``R``) and ``conv_src``
+    ``[n_layers, T, D]``; a pair is bad if any of its layers is."""
+    if not isinstance(layer, int):
+        layers = [int(x) for x in layer]
+        if h.shape[0] != len(layers) or (conv_src is not None and conv_src.shape[0] != len(layers)):
+            raise ValueError("h and conv_src need one leading entry per layer")
+        bad = None
+        for i, li in enumerate(layers):
+            b = store_intermediate_ref(h[i], chunk_idx, li, dst_q, dst_scale, dst_slots,
+                                       state_v_first=state_v_first,
+                                       conv_src=None if conv_src is None else conv_src[i],
+                                       token_ends=token_ends, dst_conv=dst_conv)
+            bad = b if bad is None else bad | b
+        return bad
     dev = h.device
     ci, di = _as_idx(chunk_idx, dev), _as_idx(dst_slots, dev)
     hf = h.reshape((-1,) + tuple(h.shape[-3:])).index_select(0, ci)

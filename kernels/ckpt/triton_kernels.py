@@ -179,20 +179,22 @@ def _slot_copy_kernel(
 
 @triton.jit
 def _store_intermediate_kernel(
-    h_ptr, h_sc, h_sh, h_sv, h_sk,
-    q_ptr, q_ss,
-    sc_ptr, sc_ss,
-    t_ptr, t_st,
-    cd_ptr, cd_ss,
+    h_ptr, h_sl, h_sc, h_sh, h_sv, h_sk,
+    q_ptr, q_sl, q_ss,
+    sc_ptr, sc_sl, sc_ss,
+    t_ptr, t_sl, t_st,
+    cd_ptr, cd_sl, cd_ss,
     chunk_idx_ptr, dst_idx_ptr, tok_ptr, bad_ptr,
     CONV_N, CONV_D, CONV_W,
     H: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
     VP: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
     QUANT: tl.constexpr, HAS_CONV: tl.constexpr,
 ):
-    # q_ptr / sc_ptr / cd_ptr already point at the target layer of slot 0
+    # q_ptr / sc_ptr / cd_ptr point at the first target layer of slot 0; program_id(2) is the
+    # layer within the stack (h and the token stream have one leading entry per layer)
     pid = tl.program_id(0)
     p = tl.program_id(1)
+    l = tl.program_id(2).to(tl.int64)
     c = tl.load(chunk_idx_ptr + p).to(tl.int64)
     d = tl.load(dst_idx_ptr + p).to(tl.int64)
     NKB: tl.constexpr = (K + BK - 1) // BK
@@ -202,7 +204,7 @@ def _store_intermediate_kernel(
         ov = tl.arange(0, VP)
         ok = kb * BK + tl.arange(0, BK)
         m = (ov[:, None] < V) & (ok[None, :] < K)
-        src = h_ptr + c * h_sc + h * h_sh + ov[:, None] * h_sv + ok[None, :] * h_sk
+        src = h_ptr + l * h_sl + c * h_sc + h * h_sh + ov[:, None] * h_sv + ok[None, :] * h_sk
         x = tl.load(src, mask=m, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         inner = h * (V * K) + ov[:, None] * K + ok[None, :]
@@ -214,13 +216,13 @@ def _store_intermediate_kernel(
             scale = tl.where(okk, tl.math.div_rn(amax, 127.0), 0.0)
             inv = tl.where(okk, tl.math.div_rn(127.0, tl.where(okk, amax, 1.0)), 0.0)
             qf = _rint(x * inv[None, :])
-            tl.store(q_ptr + d * q_ss + inner, qf.to(tl.int8), mask=m)
-            tl.store(sc_ptr + d * sc_ss + h * K + ok, scale, mask=ok < K)
+            tl.store(q_ptr + l * q_sl + d * q_ss + inner, qf.to(tl.int8), mask=m)
+            tl.store(sc_ptr + l * sc_sl + d * sc_ss + h * K + ok, scale, mask=ok < K)
         else:
             y = x.to(q_ptr.dtype.element_ty)
             b = tl.abs(y.to(tl.float32))
             nbad = tl.sum(tl.sum(tl.where((ax <= FLT_MAX) & (b <= FLT_MAX), 0, 1), axis=1), axis=0)
-            tl.store(q_ptr + d * q_ss + inner, y, mask=m)
+            tl.store(q_ptr + l * q_sl + d * q_ss + inner, y, mask=m)
     else:
         nbad = pid * 0
         if HAS_CONV:
@@ -229,8 +231,8 @@ def _store_intermediate_kernel(
             mm = offs < CONV_N
             row = te - CONV_W + offs // CONV_D
             col = offs % CONV_D
-            cv = tl.load(t_ptr + row * t_st + col, mask=mm, other=0.0)
-            tl.store(cd_ptr + d * cd_ss + offs, cv.to(cd_ptr.dtype.element_ty), mask=mm)
+            cv = tl.load(t_ptr + l * t_sl + row * t_st + col, mask=mm, other=0.0)
+            tl.store(cd_ptr + l * cd_sl + d * cd_ss + offs, cv.to(cd_ptr.dtype.element_ty), mask=mm)
             cf = tl.abs(cv.to(tl.float32))
             nbad = tl.sum(tl.where(cf <= FLT_MAX, 0, 1))
     if nbad > 0:
@@ -369,9 +371,24 @@ def copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, ds
                _idx(dst_slots, dev), False, False, BT, BC, num_warps)
 
 
+def _layer_run(layer, n_stack: int) -> tuple[int, int]:
+    """(first layer, layer count) of a store: an int is one layer; a sequence must be consecutive
+    ascending layers (one stride), one per leading entry of the stacked h."""
+    if isinstance(layer, int):
+        return layer, 1
+    layers = [int(x) for x in layer]
+    if not layers or layers != list(range(layers[0], layers[0] + len(layers))):
+        raise ValueError(f"a multi-layer store needs consecutive ascending layers, got {layers}")
+    if len(layers) != n_stack:
+        raise ValueError(f"{len(layers)} layers for {n_stack} stacked h entries")
+    return layers[0], len(layers)
+
+
 def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, state_v_first=False,
                        conv_src=None, token_ends=None, dst_conv=None,
                        BK: int = 32, BC: int = 4096, num_warps: int = 2, bad=None) -> torch.Tensor:
+    """One launch for all pairs and (with ``layer`` a sequence) all layers of the stack: see
+    ``reference.store_intermediate_ref`` for the layouts."""
     H, V, K = dst_q.shape[2:]
     dev = h.device
     ci, di = _idx(chunk_idx, dev), _idx(dst_slots, dev)
@@ -379,20 +396,26 @@ def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, stat
     bad = _flags(n, dev, bad)
     if n == 0:
         return bad[:0].bool()
-    hf = h.reshape((-1,) + tuple(h.shape[-3:]))
+    multi = not isinstance(layer, int)
+    first, n_layers = _layer_run(layer, h.shape[0] if multi else 1)
+    hf = h.reshape((n_layers, -1) + tuple(h.shape[-3:])) if multi else h.reshape((1, -1) + tuple(h.shape[-3:]))
     if state_v_first:
-        h_sv, h_sk = hf.stride(2), hf.stride(3)
+        h_sv, h_sk = hf.stride(3), hf.stride(4)
     else:
-        h_sk, h_sv = hf.stride(2), hf.stride(3)
+        h_sk, h_sv = hf.stride(3), hf.stride(4)
+    h_sl = hf.stride(0) if n_layers > 1 else 0
     _check_inner(dst_q, 2, "checkpoint q")
-    q_l = dst_q[:, layer]
+    q_l = dst_q[:, first]
     quant = dst_scale is not None
-    sc_l = dst_scale[:, layer] if quant else q_l
+    sc_l = dst_scale[:, first] if quant else q_l
+    sc_strides = (dst_scale.stride(1), dst_scale.stride(0)) if quant else (0, 0)
     if conv_src is not None:
         if token_ends is None or dst_conv is None:
             raise ValueError("conv_src needs token_ends and dst_conv")
         if conv_src.stride(-1) != 1:
             raise ValueError("conv_src rows must be contiguous")
+        if multi and (conv_src.dim() != 3 or conv_src.shape[0] != n_layers):
+            raise ValueError("a multi-layer store needs conv_src [n_layers, T, D]")
         conv_d = conv_src.shape[-1]
         conv_n = dst_conv.shape[-1]
         conv_w = conv_n // conv_d
@@ -400,20 +423,21 @@ def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, stat
             if min(int(x) for x in token_ends) < conv_w:
                 raise ValueError("a boundary is closer than the conv width to the stream start")
         te = _idx(token_ends, dev)  # device tensors are the caller's responsibility (no sync)
-        cd_l = dst_conv[:, layer]
-        conv = (conv_src, conv_src.stride(0), cd_l, dst_conv.stride(0))
+        cd_l = dst_conv[:, first]
+        t_sl = conv_src.stride(0) if multi else 0
+        conv = (conv_src, t_sl, conv_src.stride(-2), cd_l, dst_conv.stride(1), dst_conv.stride(0))
     else:
         conv_n = conv_d = conv_w = 0
         te = di
-        conv = (None, 0, None, 0)
+        conv = (None, 0, 0, None, 0, 0)
     tiles = H * triton.cdiv(K, BK)
-    grid = (tiles + triton.cdiv(conv_n, BC), n)
+    grid = (tiles + triton.cdiv(conv_n, BC), n, n_layers)
     _store_intermediate_kernel[grid](
-        hf, hf.stride(0), hf.stride(1), h_sv, h_sk,
-        q_l, dst_q.stride(0), sc_l, (dst_scale.stride(0) if quant else 0),
-        conv[0], conv[1], conv[2], conv[3],
+        hf, h_sl, hf.stride(1), hf.stride(2), h_sv, h_sk,
+        q_l, dst_q.stride(1), dst_q.stride(0), sc_l, *sc_strides,
+        *conv,
         ci, di, te, bad, conv_n, conv_d, conv_w,
         H=H, V=V, K=K, VP=_next_pow2(V), BK=BK, BC=BC, QUANT=quant, HAS_CONV=conv_src is not None,
         num_warps=num_warps,
     )
-    return bad.bool()
+    return bad[:n].bool()

@@ -289,9 +289,9 @@ class CheckpointPool:
         else:
             K.copy_from_ckpt(self.q, self.conv, ckpt_slots, t, c, active_slots, use_triton=self.use_triton)
 
-    def store_from_intermediate(self, layer: int, h: torch.Tensor, chunk_idx: Sequence[int],
-                                ckpt_slots: Sequence[int], *, state_v_first: bool = False,
-                                conv_src: Optional[torch.Tensor] = None,
+    def store_from_intermediate(self, layer: Union[int, Sequence[int]], h: torch.Tensor,
+                                chunk_idx: Sequence[int], ckpt_slots: Sequence[int], *,
+                                state_v_first: bool = False, conv_src: Optional[torch.Tensor] = None,
                                 token_ends: Optional[Sequence[int]] = None) -> StoreResult:
         """Store layer ``layer`` of ``ckpt_slots`` straight from chunk_kda's intermediate states
         ``h`` (bf16, ``[B, NT, HV, K, V]``, or ``[B, NT, HV, V, K]`` with ``state_v_first``);
@@ -299,14 +299,20 @@ class CheckpointPool:
         ``sglang_k3.kernels.ckpt.intermediate_chunk_index``). The conv window at each boundary is
         gathered from ``conv_src`` (the layer's pre-conv token stream ``[T, D]``) ending at
         ``token_ends`` (absolute rows). A slot is sealed once all layers are stored; a non-finite
-        layer refuses (releases) the whole slot."""
+        layer refuses (releases) the whole slot.
+
+        ``layer`` a run of consecutive layers (e.g. ``range(pool.L)``): ``h`` and ``conv_src``
+        carry one leading entry per layer, and all of them are stored in one launch with one
+        device->host sync for the refusal flags (instead of one of each per layer)."""
         ckpt_slots = list(ckpt_slots)
-        if not 0 <= layer < self.L:
+        layers = [layer] if isinstance(layer, int) else [int(x) for x in layer]
+        if not layers or any(not 0 <= x < self.L for x in layers):
             raise ValueError(f"layer {layer} out of range")
         self._writable(ckpt_slots)
         for s in ckpt_slots:
-            if layer in self._layers_written[s]:
-                raise CheckpointError(f"layer {layer} of checkpoint slot {s} already stored")
+            again = self._layers_written[s].intersection(layers)
+            if again:
+                raise CheckpointError(f"layer(s) {sorted(again)} of checkpoint slot {s} already stored")
         if (conv_src is None) != (self.conv is None):
             raise ValueError("conv_src is required exactly when the pool holds conv states")
         if not ckpt_slots:
@@ -314,7 +320,7 @@ class CheckpointPool:
         bad = K.store_intermediate(h, list(chunk_idx), layer, self.q, self.scale, ckpt_slots,
                                    state_v_first=state_v_first, conv_src=conv_src, token_ends=token_ends,
                                    dst_conv=self.conv, use_triton=self.use_triton, **self._kw(h))
-        return self._finish(ckpt_slots, bad, [layer])
+        return self._finish(ckpt_slots, bad, layers)
 
     # ------------------------------------------------------------------ inspection
     def read(self, slot: int) -> dict:
