@@ -213,9 +213,10 @@ def test_a_planner_cannot_add_positions_off_the_grid():
 
 
 # ---------------------------------------------------------------------------- the stores
-@pytest.fixture
-def pool_and_stash():
-    """A real CPU HybridReqToTokenPool for LAYERS, and the global STASH enabled as the cache does."""
+@pytest.fixture(params=[False, True], ids=["per-layer", "stacked"])
+def pool_and_stash(request):
+    """A real CPU HybridReqToTokenPool for LAYERS, and the global STASH enabled as the cache does:
+    with the KDA layer count (stacked rows, one store for all layers) and without it."""
     pytest.importorskip("sglang")
     from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
@@ -232,17 +233,19 @@ def pool_and_stash():
     slots = SlotPool(rtp, lambda n: 0)
     conv = rtp.mamba_pool.mamba_cache.conv[0]
     assert tuple(conv.shape[-2:]) == (WIDTH, D)
-    saved = (STASH.enabled, STASH.planner, STASH.conv_width)
-    STASH.enable(_planner(PlacementPolicy()), conv_width=int(conv.shape[-2]))
+    saved = (STASH.enabled, STASH.planner, STASH.conv_width, STASH.num_layers)
+    STASH.enable(_planner(PlacementPolicy()), conv_width=int(conv.shape[-2]),
+                 num_layers=len(LAYERS) if request.param else None)
     full = {}
     for i, layer in enumerate(LAYERS):
         _begin(STASH, 1, layer)
         h, mixed_qkv = _exports(10 + i, torch.float32, conv.dtype)
         full[layer] = (h.clone(), mixed_qkv.clone())
         STASH.record_layer(layer, h, mixed_qkv)
+    assert (STASH.stacked() is not None) == request.param
     yield rtp, slots, full
     STASH.clear()
-    STASH.enabled, STASH.planner, STASH.conv_width = saved
+    STASH.enabled, STASH.planner, STASH.conv_width, STASH.num_layers = saved
 
 
 def test_native_store_is_bit_exact_and_refuses_unplanned(pool_and_stash):
@@ -315,3 +318,28 @@ def test_a_forward_is_planned_once_not_at_every_layer():
     # the same batch object running its layers again is a new forward (e.g. a retried batch)
     assert begun == [(1, LAYERS[0]), (1, LAYERS[0]), (2, LAYERS[0])]
     assert set(stash.layers) == {LAYERS[0]}
+
+
+def test_stacked_rows_equal_the_per_layer_rows():
+    """With the layer count, one forward's kept rows are [num_layers, n, ...] tensors (the layers in
+    the order they ran), available once every layer is recorded, equal to the per-layer rows."""
+    flat, stacked = ExportStash(), ExportStash()
+    flat.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    stacked.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=len(LAYERS))
+    for k, layer in enumerate(LAYERS):
+        for st in (flat, stacked):
+            _begin(st, 1, layer)
+            st.record_layer(layer, *_exports(layer))
+        assert flat.stacked() is None
+        assert (stacked.stacked() is None) == (k < len(LAYERS) - 1)
+    stack = stacked.stacked()
+    n = len(PLANNED)
+    assert stack.h.shape == (len(LAYERS), n, H, V, KD) and stack.conv.shape == (len(LAYERS), n, WIDTH, D)
+    assert list(stacked.layers) == LAYERS
+    for i, layer in enumerate(LAYERS):
+        assert torch.equal(stack.h[i], flat.layers[layer].h)
+        assert torch.equal(stack.conv[i], flat.layers[layer].conv)
+        assert torch.equal(stacked.layers[layer].h, flat.layers[layer].h)
+    assert stacked.stash_bytes() == flat.stash_bytes()
+    with pytest.raises(ValueError):
+        stacked.enable(None, conv_width=WIDTH, num_layers=0)

@@ -93,7 +93,8 @@ class K3RadixCache(BasePrefixCache):
         # Prompt lengths at match time, by request id: whether an extend reaches the prompt end.
         self._prompt_lens: dict[str, int] = {}
         # The extend forward keeps, of its chunk-boundary states, the ones we may store.
-        STASH.enable(self._export_candidates, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]))
+        STASH.enable(self._export_candidates, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]),
+                     num_layers=int(self.slots.pool.mamba_cache.temporal.shape[0]))
         logger.info("k3 radix cache: %s checkpoints of %d bytes, placement %s",
                     self.store.dtype, self.store.slot_bytes, self.placement)
 

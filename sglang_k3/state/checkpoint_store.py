@@ -110,6 +110,15 @@ class QuantizedStore:
         dst = self.alloc()
         if dst is None:
             return None
+        stack = STASH.stacked()
+        if stack is not None and [self._pool_layer[lid] for lid in STASH.layers] == list(range(self.pool.L)):
+            # all layers in one launch (one refusal-flag sync), from the stacked rows
+            n, width, d = stack.conv.shape[1:]
+            res = self.pool.store_from_intermediate(
+                range(self.pool.L), stack.h, [j], [dst], state_v_first=True,
+                conv_src=stack.conv.reshape(self.pool.L, n * width, d), token_ends=[(j + 1) * width],
+            )
+            return dst if res.all_ok else None
         for layer_id, rows in STASH.layers.items():
             # The stash's compact rows: state j is h row j; its conv window is conv row j, i.e.
             # the `width` rows of the flattened [n*width, D] stream ending at (j+1)*width.

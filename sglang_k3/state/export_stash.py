@@ -79,6 +79,8 @@ class ExportStash:
         self.enabled = False
         self.planner: Optional[Planner] = None
         self.conv_width: Optional[int] = None
+        self.num_layers: Optional[int] = None
+        self._stack: Optional[LayerRows] = None  # [num_layers, n, ...] buffers of this forward
         self._batch_key: Optional[int] = None
         self.seqs: dict[int, SeqExport] = {}
         # Recorded KDA layers of this forward: model layer id -> kept rows, None if none planned.
@@ -93,13 +95,19 @@ class ExportStash:
         self.peak_exported_bytes = 0
 
     # ------------------------------------------------------------------ configuration
-    def enable(self, planner: Optional[Planner], conv_width: int) -> None:
+    def enable(self, planner: Optional[Planner], conv_width: int, num_layers: Optional[int] = None) -> None:
         """Turn recording on. ``conv_width`` is the conv state's row count (``K-1``: the mamba
-        pool's ``conv.shape[-2]``); ``planner`` picks, per request, the positions to keep."""
+        pool's ``conv.shape[-2]``); ``planner`` picks, per request, the positions to keep.
+        ``num_layers`` (the model's KDA layer count), when given, makes the kept rows of one
+        forward one stacked tensor per kind (``[num_layers, n, ...]``), so that a checkpoint is
+        stored for all layers in one launch (:meth:`stacked`)."""
         if not 0 < conv_width <= CHUNK:
             raise ValueError(f"conv width {conv_width} must be in (0, {CHUNK}]")
+        if num_layers is not None and num_layers <= 0:
+            raise ValueError(f"num_layers {num_layers} must be positive")
         self.planner = planner
         self.conv_width = int(conv_width)
+        self.num_layers = None if num_layers is None else int(num_layers)
         self.enabled = True
 
     # ------------------------------------------------------------------ recording
@@ -156,12 +164,35 @@ class ExportStash:
             self.layers[layer_id] = None  # recorded, nothing planned
             return
         ci, ti = self._indices(h.device)
-        h_rows = h.reshape((-1,) + tuple(h.shape[-3:])).index_select(0, ci)
+        n = len(self._chunk_idx)
+        hflat = h.reshape((-1,) + tuple(h.shape[-3:]))
         src = mixed_qkv.reshape(-1, mixed_qkv.shape[-1])
-        conv_rows = src.index_select(0, ti).view(len(self._chunk_idx), self.conv_width, src.shape[-1])
+        i = len(self.layers)  # this layer's place in the stack: the order layers run in
+        if self.num_layers is not None and i < self.num_layers:
+            if self._stack is None:
+                self._stack = LayerRows(
+                    torch.empty((self.num_layers, n) + tuple(hflat.shape[1:]), dtype=h.dtype, device=h.device),
+                    torch.empty((self.num_layers, n, self.conv_width, src.shape[-1]), dtype=src.dtype,
+                                device=src.device),
+                )
+                self._held += sum(t.numel() * t.element_size() for t in self._stack)
+            h_rows, conv_rows = self._stack.h[i], self._stack.conv[i]
+            torch.index_select(hflat, 0, ci, out=h_rows)
+            torch.index_select(src, 0, ti, out=conv_rows.view(n * self.conv_width, src.shape[-1]))
+        else:  # no layer count given (or more layers than it said): one tensor pair per layer
+            h_rows = hflat.index_select(0, ci)
+            conv_rows = src.index_select(0, ti).view(n, self.conv_width, src.shape[-1])
+            self._held += h_rows.numel() * h_rows.element_size() + conv_rows.numel() * conv_rows.element_size()
         self.layers[layer_id] = LayerRows(h_rows, conv_rows)
-        self._held += h_rows.numel() * h_rows.element_size() + conv_rows.numel() * conv_rows.element_size()
         self.peak_bytes = max(self.peak_bytes, self._held)
+
+    def stacked(self) -> Optional[LayerRows]:
+        """All layers' kept rows as ``[num_layers, n, ...]`` tensors, in the order the layers ran
+        (``list(self.layers)``), once every one of the ``num_layers`` layers is recorded; else
+        None (use the per-layer :class:`LayerRows`)."""
+        if self._stack is None or len(self.layers) != self.num_layers:
+            return None
+        return self._stack
 
     # ------------------------------------------------------------------ use
     def lookup(self, slot: int, end: int) -> Optional[SeqExport]:
@@ -187,6 +218,17 @@ class ExportStash:
         j = self.row(seq, pos)
         if j is None:
             return False
+        stack = self.stacked()
+        pool_of = getattr(req_to_token_pool, "mamba_map", None)
+        if stack is not None and pool_of is not None and \
+                [pool_of.get(lid) for lid in self.layers] == list(range(len(self.layers))):
+            # the stack's layer axis is the pool's: two copies for all layers
+            cache = req_to_token_pool.mamba_pool.mamba_cache
+            if cache.temporal.shape[0] == len(self.layers):
+                assert cache.conv[0].shape[-2] == stack.conv.shape[2], (cache.conv[0].shape, stack.conv.shape)
+                cache.temporal[:, dst_slot] = stack.h[:, j].to(cache.temporal.dtype)
+                cache.conv[0][:, dst_slot] = stack.conv[:, j].to(cache.conv[0].dtype)
+                return True
         for layer_id, rows in self.layers.items():
             cache = req_to_token_pool.mamba2_layer_cache(layer_id)
             temporal, conv = cache.temporal, cache.conv[0]
@@ -207,6 +249,7 @@ class ExportStash:
         self._chunk_idx = []
         self._token_rows = []
         self._dev_idx = None
+        self._stack = None
         self._held = 0
         self._exported = 0
 
