@@ -15,12 +15,19 @@ the pre-conv stream ``mixed_qkv`` bf16 ``[65536, 12288]`` (1.5 GiB). Measured wi
 Also: ``record_layer`` device time per layer (CUDA events), and that an int8 store through the
 Triton ``store_intermediate`` kernel from the compact rows equals one from the full tensors (the
 previous code path), byte for byte.
+
+And the cost the scheduler pays per exported checkpoint (wall time, host + device, as the cache
+calls it): storing all 20 layers from the stacked rows in one ``store_from_intermediate`` call
+(one launch, one refusal-flag sync) against 20 per-layer calls (20 launches, 20 syncs), with the
+two results compared byte for byte.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
+import time
 
 import torch
 
@@ -47,7 +54,8 @@ def main() -> None:
     args = ap.parse_args()
     pol = PlacementPolicy()
     stash = ExportStash()
-    stash.enable(lambda rid, seq: list(pol.export_candidates(seq.grid(), seq.end, PROMPT, BRANCH)), WIDTH)
+    stash.enable(lambda rid, seq: list(pol.export_candidates(seq.grid(), seq.end, PROMPT, BRANCH)), WIDTH,
+                 num_layers=L)
     res: dict = {"dims": dict(layers=L, heads=H, v=V, k=KD, d=D, width=WIDTH, tokens=T)}
 
     torch.cuda.synchronize()
@@ -101,6 +109,51 @@ def main() -> None:
                          and torch.equal(rows.h[j], h[0, pos // CHUNK])
                          and torch.equal(rows.conv[j], mixed[pos - WIDTH:pos]))
     res["int8_store_compact_equals_full"] = same
+
+    # One checkpoint, all layers: one stacked call vs one call per layer (the cache's two paths).
+    stack = stash.stacked()
+    assert stack is not None and list(stash.layers) == list(range(L))
+    n = stack.conv.shape[1]
+    pool = CheckpointPool(num_slots=8, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
+                          conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
+
+    def per_layer(j):
+        dst = pool.alloc(1)
+        for layer in range(L):
+            rows = stash.layers[layer]
+            r = pool.store_from_intermediate(layer, rows.h, [j], dst, state_v_first=True,
+                                             conv_src=rows.conv.reshape(-1, D), token_ends=[(j + 1) * WIDTH])
+            assert r.all_ok
+        return dst[0]
+
+    def one_call(j):
+        dst = pool.alloc(1)
+        r = pool.store_from_intermediate(range(L), stack.h, [j], dst, state_v_first=True,
+                                         conv_src=stack.conv.reshape(L, n * WIDTH, D), token_ends=[(j + 1) * WIDTH])
+        assert r.all_ok
+        return dst[0]
+
+    equal = []
+    for j in range(n):
+        a, b = per_layer(j), one_call(j)
+        torch.cuda.synchronize()
+        equal.append(bool(torch.equal(pool.q[a], pool.q[b]) and torch.equal(pool.scale[a], pool.scale[b])
+                          and torch.equal(pool.conv[a], pool.conv[b])))
+        pool.decref([a, b])
+    walls = {"per_layer": [], "one_call": []}
+    for it in range(30):
+        for name, fn in (("per_layer", per_layer), ("one_call", one_call)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            slot = fn(it % n)
+            torch.cuda.synchronize()
+            walls[name].append((time.perf_counter() - t0) * 1e6)
+            pool.decref([slot])
+    med = {k: statistics.median(v[3:]) for k, v in walls.items()}  # the first calls compile
+    res["store_one_checkpoint_all_layers"] = dict(
+        wall_us_median=med, speedup=med["per_layer"] / med["one_call"], results_equal=equal,
+        launches=dict(per_layer=L, one_call=1), flag_syncs=dict(per_layer=L, one_call=1))
+    del pool, stack
     del first, h, mixed, pool_a, pool_b, stash, seq
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -118,6 +171,9 @@ def main() -> None:
     s, r = res["stash"]["allocated_after_forward"], res["references"]["allocated_after_forward"]
     print(f"held after a 64k-token extend, 20 KDA layers: stash {s / 2**20:.1f} MiB, "
           f"references {r / GIB:.1f} GiB ({r / max(s, 1):.0f}x)")
+    st = res["store_one_checkpoint_all_layers"]
+    print(f"store one checkpoint, {L} layers: one call {st['wall_us_median']['one_call']:.0f} us, per layer "
+          f"{st['wall_us_median']['per_layer']:.0f} us ({st['speedup']:.1f}x); equal: {st['results_equal']}")
     print(f"record_layer: median {res['stash']['record_layer_us']['median']:.0f} us per layer; "
           f"rows kept at {res['stash']['rows_kept']}; int8 compact == full: {same}")
     os.makedirs(args.out, exist_ok=True)
