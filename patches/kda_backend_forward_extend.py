@@ -7,11 +7,15 @@ and request id: ``ForwardBatch.rids``, set for every batch built by ``ForwardBat
 this forward covers and which KDA layer is running, so the kernel hook can keep the rows of its
 ``h`` that the cache may store. Without request ids the stash keeps each sequence's last grid
 point only. It does nothing unless the k3 cache enabled the stash.
+
+The same hook runs the quantized checkpoint restores the cache deferred to this forward, all in
+one launch, before the first KDA layer reads the pool (``sglang_k3/state/deferred_restore.py``).
 """
 from __future__ import annotations
 
 import torch
 
+from sglang_k3.state.deferred_restore import RESTORES
 from sglang_k3.state.export_context import CURRENT_EXTEND
 from sglang_k3.state.export_stash import STASH
 
@@ -33,6 +37,10 @@ def _exportable(backend, forward_batch, mixed_qkv) -> bool:
 
 
 def forward_extend_recording(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    if len(RESTORES):
+        # quantized checkpoint hits of this forward, dequantized into their requests' slots in one
+        # launch before the first KDA layer reads the pool (sglang_k3/state/deferred_restore.py)
+        RESTORES.flush()
     if not _exportable(self, forward_batch, mixed_qkv):
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     if STASH.starts_forward(id(forward_batch), layer.layer_id):

@@ -91,3 +91,29 @@ def test_export_stash_keeps_only_candidate_rows(server_factory):
     assert c["meta_info"]["cached_tokens"] == 256
     # c's extend runs from 256 to 400 (grid points 320 and 384): only the prompt-end one is kept.
     assert _k3_state(s)["export_stash_bytes"] == row
+
+
+def _k3_state(s) -> dict:
+    r = requests.get(s.url + "/server_info", timeout=60)
+    r.raise_for_status()
+    return r.json()["internal_states"][0]["k3_cache"]
+
+
+def test_quantized_hits_of_a_forward_are_restored_together(server_factory):
+    """Eight requests that hit the same int8 checkpoint, sent as one batch: each is restored at its
+    forward (8 restores), several hits per restore launch (fewer flushes than restores), and every
+    restored request gets the same greedy tokens as the request that made the checkpoint."""
+    s = server_factory("k3_int8")
+    _flush(s)
+    ids = random_tokens(random.Random(13), 150)
+    first = s.generate(ids, 5)
+    before = _k3_state(s)
+    outs = s.generate([ids] * 8, 5)
+    after = _k3_state(s)
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [128] * 8
+    assert all(o["output_ids"] == first["output_ids"] for o in outs)
+    restores = after["deferred_restores"] - before["deferred_restores"]
+    flushes = after["deferred_restore_flushes"] - before["deferred_restore_flushes"]
+    print(f"\n8 hits restored in {flushes} launch(es)")
+    assert restores == 8
+    assert 1 <= flushes < 8

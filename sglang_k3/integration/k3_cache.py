@@ -55,6 +55,7 @@ from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.integration.k3_args import K3Config
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_store import make_store
+from sglang_k3.state.deferred_restore import RESTORES
 from sglang_k3.state.export_stash import STASH
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class K3RadixCache(BasePrefixCache):
         )
 
     def _release_pin(self, rid) -> None:
+        RESTORES.drop(rid)  # a restore not flushed by now is not wanted any more
         held = self._pins.pop(rid, None)
         if held is not None:
             self.tree.release_pin(held[1])
@@ -385,6 +387,7 @@ class K3RadixCache(BasePrefixCache):
             self._branch_points.clear()
             self._prompt_lens.clear()
             self._pins.clear()
+            RESTORES.clear()
             STASH.clear()
 
     # ---------------------------------------------------------------- observability
@@ -399,6 +402,9 @@ class K3RadixCache(BasePrefixCache):
             export_stash_bytes=STASH.stash_bytes(),
             export_stash_peak_bytes=STASH.peak_bytes,
             export_full_peak_bytes=STASH.peak_exported_bytes,
+            # quantized hits restored at the forward, batched: average batch = restored / flushes
+            deferred_restore_flushes=RESTORES.flushes,
+            deferred_restores=RESTORES.restored,
         )
         return d
 

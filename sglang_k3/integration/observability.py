@@ -65,6 +65,8 @@ COUNTERS: dict[str, str] = {
     "evicted_checkpoint_bytes": "Checkpoint bytes evicted.",
     "recycled_checkpoints": "Intermediate checkpoints recycled by the per-path placement budget.",
     "invalidated_checkpoints": "Checkpoints dropped with a sibling group's entry (invariant 3).",
+    "deferred_restore_flushes": "Extend forwards that restored quantized checkpoint hits (one launch each).",
+    "deferred_restores": "Quantized checkpoint hits restored at their forward (divided by flushes: the batch size).",
 }
 
 

@@ -5,9 +5,11 @@
   deferred copy SGLang runs on the forward stream (``mamba_cow_src_index``). Bit-exact.
 * ``int8`` / ``bf16`` (:class:`QuantizedStore`): a checkpoint is a slot of a separate
   :class:`~sglang_k3.state.checkpoint_pool.CheckpointPool` (INT8 with per-(layer, head, k) fp32
-  scales, or bf16; conv state in its native dtype). Storing quantizes, a hit dequantizes eagerly
-  into the request's fresh fp32 active slot at match time (SGLang's deferred copy only knows
-  same-format copies). A restored state continues in full precision and is never requantized.
+  scales, or bf16; conv state in its native dtype). Storing quantizes; a hit is dequantized into
+  the request's fresh fp32 active slot at the first KDA layer of its next extend, together with
+  the other hits of that forward, in one launch (``deferred_restore.py``; SGLang's own deferred
+  copy only knows same-pool copies). A restored state continues in full precision and is never
+  requantized.
 
 Both give the cache the same verbs: ``capture_active`` (fork the running request's state at a
 boundary), ``donate`` (a finished request's state), ``capture_export`` (a chunk-boundary state
@@ -21,6 +23,7 @@ import torch
 
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_pool import CheckpointPool
+from sglang_k3.state.deferred_restore import RESTORES
 from sglang_k3.state.export_stash import STASH, SeqExport
 
 CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
@@ -70,12 +73,17 @@ class NativeSlotStore:
 
 class QuantizedStore:
     uses_mamba_slots = False
-    eager_restore = True
 
-    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int]):
+    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int],
+                 defer_restores: bool = False):
         self.slots = slots
         self.dtype = dtype
         self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
+        # deferred: a hit is dequantized by RESTORES.flush() at the next extend forward, batched
+        # with the other hits of that forward (the cache then keeps the pin until after it)
+        self.eager_restore = not defer_restores
+        if defer_restores:
+            RESTORES.bind(self.pool)
         self.slot_bytes = self.pool.bytes_per_slot
         self._evict_bytes = evict_bytes
         # model layer id -> pool layer index (the order of the mamba pool's layer axis)
@@ -132,13 +140,18 @@ class QuantizedStore:
         return dst
 
     def restore(self, handle: int, req) -> None:
-        """Eager copy-on-write: dequantize into the request's fresh fp32 slot now."""
-        self.pool.restore([handle], [int(req.kv.mamba_pool_idx)])
-        req.kv.mamba_cow_src_index = None
+        """Copy-on-write into the request's fresh fp32 slot: at the next extend forward, batched
+        (deferred), or now (eager)."""
+        if self.eager_restore:
+            self.pool.restore([handle], [int(req.kv.mamba_pool_idx)])
+        else:
+            RESTORES.add(req.rid, handle, int(req.kv.mamba_pool_idx))
+        req.kv.mamba_cow_src_index = None  # not upstream's COW: its copy knows only the mamba pool
         req.kv.mamba_needs_clear = False
 
 
-def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int]):
+def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int],
+               defer_restores: bool = True):
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     if dtype == "fp32":
@@ -146,4 +159,4 @@ def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callabl
             raise ValueError("--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, "
                              "whose recurrent state is not fp32 here")
         return NativeSlotStore(slots)
-    return QuantizedStore(slots, dtype, num_slots, evict_bytes)
+    return QuantizedStore(slots, dtype, num_slots, evict_bytes, defer_restores=defer_restores)
