@@ -117,3 +117,42 @@ def test_quantized_hits_of_a_forward_are_restored_together(server_factory):
     print(f"\n8 hits restored in {flushes} launch(es)")
     assert restores == 8
     assert 1 <= flushes < 8
+
+
+def test_aborted_requests_leave_nothing_behind(server_factory):
+    """Twelve concurrent requests sharing a cached prefix (more than the server runs at once, so
+    some wait), all aborted mid-flight: the cache then tracks no request, a restore launch was not
+    left pending, and the server still serves the prefix from its checkpoint."""
+    import threading
+
+    s = server_factory("k3_int8")
+    _flush(s)
+    rng = random.Random(14)
+    shared = random_tokens(rng, 200)
+    s.generate(shared, 2)  # the prefix's checkpoint (at 192)
+    prompts = [shared + random_tokens(rng, 40) for _ in range(12)]
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        try:
+            results[i] = s.generate(prompts[i], 400)
+        except Exception as e:  # recorded; an aborted request may come back as an error
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    import time
+    time.sleep(3.0)
+    requests.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    finished = [r for r in results if isinstance(r, dict)]
+    aborted = [r for r in finished if r["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert aborted, [r["meta_info"]["finish_reason"] for r in finished]
+    state = _k3_state(s)
+    assert state["tracked_requests"] == 0
+    again = s.generate(prompts[0], 3)
+    assert again["meta_info"]["cached_tokens"] == 192
+    assert _k3_state(s)["tracked_requests"] == 0

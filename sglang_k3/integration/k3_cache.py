@@ -93,6 +93,10 @@ class K3RadixCache(BasePrefixCache):
         self._branch_points: dict[str, int] = {}
         # Prompt lengths at match time, by request id: whether an extend reaches the prompt end.
         self._prompt_lens: dict[str, int] = {}
+        # The request objects behind those two maps: a request aborted while waiting never reaches
+        # on_release, so entries of finished requests are pruned (_forget_finished_requests).
+        self._matched: dict[str, Any] = {}
+        self._prune_at = 64
         # The extend forward keeps, of its chunk-boundary states, the ones we may store.
         STASH.enable(self._export_candidates, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]),
                      num_layers=int(self.slots.pool.mamba_cache.temporal.shape[0]))
@@ -120,6 +124,10 @@ class K3RadixCache(BasePrefixCache):
         tokens = list(key.raw_token_ids())
         if params.cow_mamba and params.req is not None:
             self._prompt_lens[params.req.rid] = len(params.req.origin_input_ids)
+            self._matched[params.req.rid] = params.req
+            if len(self._matched) > self._prune_at:  # amortized: O(1) per match
+                self._forget_finished_requests()
+                self._prune_at = 2 * len(self._matched) + 64
         if params.cow_mamba and params.req is not None and self.placement.at_branch_points:
             bp = self.tree.find_branch_point(tokens)
             if bp:
@@ -155,9 +163,24 @@ class K3RadixCache(BasePrefixCache):
             self.tree.release_pin(held[1])
 
     def _release_finished_pins(self) -> None:
-        """Aborted waiting requests never reach ``on_release``: drop their pins."""
+        """Aborted waiting requests never reach ``on_release``: drop their pins (and any restore
+        still pending for them). Called before evicting, so their checkpoints become evictable."""
         for rid in [rid for rid, (req, _) in self._pins.items() if req.finished()]:
             self._release_pin(rid)
+
+    def _forget_finished_requests(self) -> None:
+        """As :meth:`_release_finished_pins`, and drop their branch points and prompt lengths too.
+        Called between scheduler steps only (at match time, amortized, and for the stats), never
+        while a finishing request is being checkpointed."""
+        self._release_finished_pins()
+        for rid in [rid for rid, req in self._matched.items() if req.finished()]:
+            self._forget(rid)
+
+    def _forget(self, rid) -> None:
+        self._release_pin(rid)
+        self._branch_points.pop(rid, None)
+        self._prompt_lens.pop(rid, None)
+        self._matched.pop(rid, None)
 
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state is (or will be) a copy of checkpoint ``handle``."""
@@ -319,9 +342,7 @@ class K3RadixCache(BasePrefixCache):
             req.kv.mamba_pool_idx = None
 
     def on_release(self, req, *, checkpointed: bool) -> None:
-        self._release_pin(req.rid)
-        self._branch_points.pop(req.rid, None)
-        self._prompt_lens.pop(req.rid, None)
+        self._forget(req.rid)
         self._free_request_slot(req)
 
     # ---------------------------------------------------------------- eviction and sizes
@@ -386,14 +407,17 @@ class K3RadixCache(BasePrefixCache):
             self.root_node = self.tree.root
             self._branch_points.clear()
             self._prompt_lens.clear()
+            self._matched.clear()
             self._pins.clear()
             RESTORES.clear()
             STASH.clear()
 
     # ---------------------------------------------------------------- observability
     def stats_dict(self) -> dict:
+        self._forget_finished_requests()
         d = self.tree.stats.as_dict()
         d.update(
+            tracked_requests=len(self._matched),
             checkpoint_count=self.tree.checkpoint_count(),
             checkpoint_bytes=self.tree.checkpoint_bytes(),
             kv_tokens=self.tree.total_size(),

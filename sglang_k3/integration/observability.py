@@ -53,6 +53,7 @@ GAUGES: dict[str, str] = {
     "export_stash_bytes": "Bytes of exported chunk-boundary state rows held for the cache until the next extend.",
     "export_stash_peak_bytes": "Peak of export_stash_bytes since start.",
     "export_full_peak_bytes": "Peak bytes of one extend's full exported states and pre-conv rows (not held).",
+    "tracked_requests": "Requests the cache keeps match-time data for (admitted, not yet released).",
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
