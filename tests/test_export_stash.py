@@ -343,3 +343,44 @@ def test_stacked_rows_equal_the_per_layer_rows():
     assert stacked.stash_bytes() == flat.stash_bytes()
     with pytest.raises(ValueError):
         stacked.enable(None, conv_width=WIDTH, num_layers=0)
+
+
+@pytest.mark.parametrize("pool_and_stash", [True], ids=["stacked"], indirect=True)
+def test_quantized_exports_of_a_forward_are_stored_ahead_in_one_call(pool_and_stash):
+    """With stacked rows, the first request's call stores every kept row of the forward (one
+    launch); requests claim their own; what nobody claims is released when the rows are dropped.
+    A pool too small for all rows stores the first ones; the rest are simply not available."""
+    from sglang_k3.state.checkpoint_store import QuantizedStore
+
+    rtp, slots, full = pool_and_stash
+    assert STASH.stacked() is not None
+    order = sorted(PLANNED, key=lambda rp: STASH.row(_seq(rp[0]), rp[1]))
+
+    store = QuantizedStore(slots, "int8", num_slots=8, evict_bytes=lambda n: 0)
+    rid, pos = order[0]
+    got = store.capture_export(_seq(rid), pos)
+    assert got is not None
+    assert store.pool.available_size() == 8 - len(PLANNED)  # all kept rows stored at once
+    assert store.ahead_stored == len(PLANNED)
+    rid, pos = order[2]
+    assert store.capture_export(_seq(rid), pos) is not None
+    assert store.capture_export(_seq(rid), pos) is None  # claimed once
+    STASH.clear()  # the next forward begins: the two unclaimed slots go back
+    assert store.pool.available_size() == 8 - 2 and store.ahead_unclaimed == len(PLANNED) - 2
+
+
+@pytest.mark.parametrize("pool_and_stash", [True], ids=["stacked"], indirect=True)
+def test_stored_ahead_with_a_small_pool(pool_and_stash):
+    from sglang_k3.state.checkpoint_store import QuantizedStore
+
+    rtp, slots, full = pool_and_stash
+    assert STASH.stacked() is not None
+    order = sorted(PLANNED, key=lambda rp: STASH.row(_seq(rp[0]), rp[1]))
+    store = QuantizedStore(slots, "int8", num_slots=2, evict_bytes=lambda n: 0)
+    got = [store.capture_export(_seq(rid), pos) for rid, pos in reversed(order)]
+    assert [g is not None for g in reversed(got)] == [True, True] + [False] * (len(order) - 2)
+    assert store.pool.available_size() == 0
+
+
+def _seq(rid):
+    return STASH.lookup(_slot(rid), next(p + n for r, _, p, n, _, _ in BATCH if r == rid))

@@ -429,6 +429,10 @@ class K3RadixCache(BasePrefixCache):
             # quantized hits restored at the forward, batched: average batch = restored / flushes
             deferred_restore_flushes=RESTORES.flushes,
             deferred_restores=RESTORES.restored,
+            # quantized stores of exported states: all of a forward's in one launch, claimed per
+            # request; the unclaimed ones (a checkpoint was already there) are released
+            export_ahead_stored=getattr(self.store, "ahead_stored", 0),
+            export_ahead_unclaimed=getattr(self.store, "ahead_unclaimed", 0),
         )
         return d
 

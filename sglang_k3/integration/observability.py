@@ -68,6 +68,8 @@ COUNTERS: dict[str, str] = {
     "invalidated_checkpoints": "Checkpoints dropped with a sibling group's entry (invariant 3).",
     "deferred_restore_flushes": "Extend forwards that restored quantized checkpoint hits (one launch each).",
     "deferred_restores": "Quantized checkpoint hits restored at their forward (divided by flushes: the batch size).",
+    "export_ahead_stored": "Exported states stored into quantized checkpoints, all of a forward's in one launch.",
+    "export_ahead_unclaimed": "Of those, released unclaimed (the cache already had a checkpoint there).",
 }
 
 

@@ -84,6 +84,12 @@ class QuantizedStore:
         self.eager_restore = not defer_restores
         if defer_restores:
             RESTORES.bind(self.pool)
+        # exported states stored ahead for the current forward: stash row -> checkpoint slot
+        self._ahead: dict[int, int] = {}
+        self._ahead_generation = -1
+        self.ahead_stored = 0  # slots stored ahead, lifetime
+        self.ahead_unclaimed = 0  # of those, released unclaimed
+        STASH.on_clear(self._release_ahead)
         self.slot_bytes = self.pool.bytes_per_slot
         self._evict_bytes = evict_bytes
         # model layer id -> pool layer index (the order of the mamba pool's layer axis)
@@ -115,18 +121,16 @@ class QuantizedStore:
         j = STASH.row(seq, pos)
         if j is None:
             return None  # the forward did not keep that state
+        stack = STASH.stacked()
+        if stack is not None and [self._pool_layer[lid] for lid in STASH.layers] == list(range(self.pool.L)):
+            # Every kept row of this forward is stored at the first request's call, all rows and
+            # all layers in one launch (one refusal-flag sync); each request then claims its own.
+            if self._ahead_generation != STASH.generation:
+                self._store_forward_ahead(stack)
+            return self._ahead.pop(j, None)
         dst = self.alloc()
         if dst is None:
             return None
-        stack = STASH.stacked()
-        if stack is not None and [self._pool_layer[lid] for lid in STASH.layers] == list(range(self.pool.L)):
-            # all layers in one launch (one refusal-flag sync), from the stacked rows
-            n, width, d = stack.conv.shape[1:]
-            res = self.pool.store_from_intermediate(
-                range(self.pool.L), stack.h, [j], [dst], state_v_first=True,
-                conv_src=stack.conv.reshape(self.pool.L, n * width, d), token_ends=[(j + 1) * width],
-            )
-            return dst if res.all_ok else None
         for layer_id, rows in STASH.layers.items():
             # The stash's compact rows: state j is h row j; its conv window is conv row j, i.e.
             # the `width` rows of the flattened [n*width, D] stream ending at (j+1)*width.
@@ -138,6 +142,37 @@ class QuantizedStore:
             if not res.all_ok:
                 return None  # refused and released by the pool
         return dst
+
+    def _store_forward_ahead(self, stack) -> None:
+        """Store all of this forward's kept rows into fresh checkpoint slots, in one call. A row
+        that gets no slot (the pool is full of pinned checkpoints) or is refused (non-finite) is
+        simply not available, as a failed single store would be."""
+        self._release_ahead()
+        self._ahead_generation = STASH.generation
+        n, width, d = stack.conv.shape[1:]
+        rows, slots = [], []
+        for r in range(n):
+            dst = self.alloc()
+            if dst is None:
+                break
+            rows.append(r)
+            slots.append(dst)
+        if not slots:
+            return
+        res = self.pool.store_from_intermediate(
+            range(self.pool.L), stack.h, rows, slots, state_v_first=True,
+            conv_src=stack.conv.reshape(self.pool.L, n * width, d), token_ends=[(r + 1) * width for r in rows],
+        )
+        self._ahead = {r: s for r, s, ok in zip(rows, slots, res.accepted) if ok}
+        self.ahead_stored += len(self._ahead)
+
+    def _release_ahead(self) -> None:
+        """Free the slots stored ahead that no request claimed (the cache already had a checkpoint
+        there, or the request went away). Runs when the stash drops the forward's rows."""
+        if self._ahead:
+            self.ahead_unclaimed += len(self._ahead)
+            self.pool.decref(list(self._ahead.values()))
+        self._ahead = {}
 
     def restore(self, handle: int, req) -> None:
         """Copy-on-write into the request's fresh fp32 slot: at the next extend forward, batched

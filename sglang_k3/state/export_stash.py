@@ -38,6 +38,7 @@ the cache then does not store it. A state is never stored under a boundary it wa
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
@@ -93,6 +94,8 @@ class ExportStash:
         self._exported = 0  # bytes of the full h and mixed_qkv handed over this forward
         self.peak_bytes = 0
         self.peak_exported_bytes = 0
+        self.generation = 0  # bumped by every clear: identifies one forward's rows
+        self._clear_hooks: list[weakref.WeakMethod] = []
 
     # ------------------------------------------------------------------ configuration
     def enable(self, planner: Optional[Planner], conv_width: int, num_layers: Optional[int] = None) -> None:
@@ -241,7 +244,20 @@ class ExportStash:
         """Bytes of the rows held now (the full exported tensors are never held)."""
         return self._held
 
+    def on_clear(self, method: Callable[[], None]) -> None:
+        """Call the bound ``method`` whenever this forward's rows are dropped (a consumer that made
+        something from them, e.g. checkpoints stored ahead, releases what was not claimed). Held
+        weakly: a consumer that is gone is forgotten."""
+        self._clear_hooks = [r for r in self._clear_hooks if r() is not None]
+        if all(r() != method for r in self._clear_hooks):
+            self._clear_hooks.append(weakref.WeakMethod(method))
+
     def clear(self) -> None:
+        for ref in list(self._clear_hooks):
+            fn = ref()
+            if fn is not None:
+                fn()
+        self.generation += 1
         self._batch_key = None
         self.seqs = {}
         self.layers = {}
