@@ -19,7 +19,9 @@ previous code path), byte for byte.
 And the cost the scheduler pays per exported checkpoint (wall time, host + device, as the cache
 calls it): storing all 20 layers from the stacked rows in one ``store_from_intermediate`` call
 (one launch, one refusal-flag sync) against 20 per-layer calls (20 launches, 20 syncs), with the
-two results compared byte for byte.
+two results compared byte for byte. And for a forward of many sequences, its 64 kept rows stored
+in one call (what the int8 store does ahead, at the first request's checkpoint) against one call per
+checkpoint.
 """
 from __future__ import annotations
 
@@ -154,6 +156,51 @@ def main() -> None:
         wall_us_median=med, speedup=med["per_layer"] / med["one_call"], results_equal=equal,
         launches=dict(per_layer=L, one_call=1), flag_syncs=dict(per_layer=L, one_call=1))
     del pool, stack
+
+    # A forward of many sequences: its kept rows for all requests in one call (stored ahead) vs
+    # one call per checkpoint (each already one launch for all layers).
+    n_rows = 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hs = torch.randn(L, n_rows, H, V, KD, device="cuda", dtype=torch.bfloat16, generator=g)
+    cs = torch.randn(L, n_rows, WIDTH, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    pool = CheckpointPool(num_slots=2 * n_rows, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
+                          conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
+    conv_src = cs.reshape(L, n_rows * WIDTH, D)
+    rows = list(range(n_rows))
+
+    def each():
+        out = []
+        for r in rows:
+            dst = pool.alloc(1)
+            assert pool.store_from_intermediate(range(L), hs, [r], dst, state_v_first=True, conv_src=conv_src,
+                                                token_ends=[(r + 1) * WIDTH]).all_ok
+            out += dst
+        return out
+
+    def ahead():
+        dst = pool.alloc(n_rows)
+        assert pool.store_from_intermediate(range(L), hs, rows, dst, state_v_first=True, conv_src=conv_src,
+                                            token_ends=[(r + 1) * WIDTH for r in rows]).all_ok
+        return dst
+
+    a, b = each(), ahead()
+    torch.cuda.synchronize()
+    same_rows = all(torch.equal(pool.q[x], pool.q[y]) and torch.equal(pool.scale[x], pool.scale[y])
+                    and torch.equal(pool.conv[x], pool.conv[y]) for x, y in zip(a, b))
+    pool.decref(a + b)
+    walls = {"per_checkpoint": [], "one_call": []}
+    for it in range(12):
+        for name, fn in (("per_checkpoint", each), ("one_call", ahead)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = fn()
+            torch.cuda.synchronize()
+            walls[name].append((time.perf_counter() - t0) * 1e6)
+            pool.decref(got)
+    med = {k: statistics.median(v[2:]) for k, v in walls.items()}
+    res["store_forward_rows"] = dict(rows=n_rows, wall_us_median=med, speedup=med["per_checkpoint"] / med["one_call"],
+                                     results_equal=same_rows)
+    del pool, hs, cs, conv_src
     del first, h, mixed, pool_a, pool_b, stash, seq
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -174,6 +221,9 @@ def main() -> None:
     st = res["store_one_checkpoint_all_layers"]
     print(f"store one checkpoint, {L} layers: one call {st['wall_us_median']['one_call']:.0f} us, per layer "
           f"{st['wall_us_median']['per_layer']:.0f} us ({st['speedup']:.1f}x); equal: {st['results_equal']}")
+    fr = res["store_forward_rows"]
+    print(f"store {fr['rows']} checkpoints of a forward: one call {fr['wall_us_median']['one_call']:.0f} us, one per "
+          f"checkpoint {fr['wall_us_median']['per_checkpoint']:.0f} us ({fr['speedup']:.1f}x); equal: {fr['results_equal']}")
     print(f"record_layer: median {res['stash']['record_layer_us']['median']:.0f} us per layer; "
           f"rows kept at {res['stash']['rows_kept']}; int8 compact == full: {same}")
     os.makedirs(args.out, exist_ok=True)
