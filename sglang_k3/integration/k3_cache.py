@@ -13,11 +13,13 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
 * **Checkpoint storage** (``--k3-checkpoint-dtype``, :mod:`sglang_k3.state.checkpoint_store`):
   ``fp32`` checkpoints are mamba-pool slots (handle = slot index) taken from the same allocator
   as the requests' active slots, so SGLang's idle leak check stays exact; ``int8``/``bf16``
-  checkpoints live in a separate checkpoint pool and are dequantized eagerly on a hit. One KDA
-  group per TP rank (this class serves one rank, so one group).
+  checkpoints live in a separate checkpoint pool. One KDA group per TP rank (this class serves
+  one rank, so one group).
 * **Hit (copy-on-write)**: ``match_prefix`` pins the matched checkpoint (invariant 1), then gives
-  the request a private slot (evicting checkpoints if needed: the pinned one cannot go) and sets
-  ``mamba_cow_src_index``; SGLang copies on the forward stream before the KDA layers. The pin is
+  the request a private slot (evicting checkpoints if needed: the pinned one cannot go). fp32:
+  it sets ``mamba_cow_src_index`` and SGLang copies on the forward stream before the KDA layers;
+  int8/bf16: the hit is queued and dequantized at the forward's first KDA layer, with the
+  forward's other hits in one launch (:mod:`sglang_k3.state.deferred_restore`). The pin is
   held until that copy has landed: it is released at the request's first ``checkpoint`` (after
   its first forward), at release, or when the request is matched again. ``req.lock`` protects the
   request's KV path, not the checkpoints on it: the request's state is its own private copy, so
@@ -143,10 +145,8 @@ class K3RadixCache(BasePrefixCache):
             except BaseException:
                 self.tree.release_pin(res.pin)
                 raise
-            if self.store.eager_restore:
-                self.tree.release_pin(res.pin)  # the copy has landed already
-            else:
-                self._pins[params.req.rid] = (params.req, res.pin)
+            # both stores copy at the next forward: keep the checkpoint pinned until after it
+            self._pins[params.req.rid] = (params.req, res.pin)
         node = res.node
         return MatchResult(
             device_prefix_len=res.restore_len,

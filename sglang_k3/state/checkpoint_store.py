@@ -31,7 +31,6 @@ CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
 
 class NativeSlotStore:
     uses_mamba_slots = True
-    eager_restore = False
     dtype = "fp32"
 
     def __init__(self, slots: SlotPool):
@@ -74,16 +73,13 @@ class NativeSlotStore:
 class QuantizedStore:
     uses_mamba_slots = False
 
-    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int],
-                 defer_restores: bool = False):
+    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int]):
         self.slots = slots
         self.dtype = dtype
         self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
-        # deferred: a hit is dequantized by RESTORES.flush() at the next extend forward, batched
-        # with the other hits of that forward (the cache then keeps the pin until after it)
-        self.eager_restore = not defer_restores
-        if defer_restores:
-            RESTORES.bind(self.pool)
+        # a hit is dequantized by RESTORES.flush() at the next extend forward, batched with the
+        # other hits of that forward (the cache keeps the pin until after it)
+        RESTORES.bind(self.pool)
         # exported states stored ahead for the current forward: stash row -> checkpoint slot
         self._ahead: dict[int, int] = {}
         self._ahead_generation = -1
@@ -175,18 +171,14 @@ class QuantizedStore:
         self._ahead = {}
 
     def restore(self, handle: int, req) -> None:
-        """Copy-on-write into the request's fresh fp32 slot: at the next extend forward, batched
-        (deferred), or now (eager)."""
-        if self.eager_restore:
-            self.pool.restore([handle], [int(req.kv.mamba_pool_idx)])
-        else:
-            RESTORES.add(req.rid, handle, int(req.kv.mamba_pool_idx))
+        """Deferred copy-on-write into the request's fresh fp32 slot: at the first KDA layer of its
+        next extend, batched with the forward's other hits (``deferred_restore.py``)."""
+        RESTORES.add(req.rid, handle, int(req.kv.mamba_pool_idx))
         req.kv.mamba_cow_src_index = None  # not upstream's COW: its copy knows only the mamba pool
         req.kv.mamba_needs_clear = False
 
 
-def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int],
-               defer_restores: bool = True):
+def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int]):
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     if dtype == "fp32":
@@ -194,4 +186,4 @@ def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callabl
             raise ValueError("--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, "
                              "whose recurrent state is not fp32 here")
         return NativeSlotStore(slots)
-    return QuantizedStore(slots, dtype, num_slots, evict_bytes, defer_restores=defer_restores)
+    return QuantizedStore(slots, dtype, num_slots, evict_bytes)
