@@ -156,3 +156,24 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     again = s.generate(prompts[0], 3)
     assert again["meta_info"]["cached_tokens"] == 192
     assert _k3_state(s)["tracked_requests"] == 0
+
+
+def test_quantized_stores_of_a_step_run_together(server_factory):
+    """Four new prompts in one batch: their prompt-end and generation-end checkpoints are stored
+    per scheduler step, several in one launch, and each prompt-end checkpoint then serves a
+    request that continues the prompt differently (restored exactly at the prompt end). Four
+    prompts x three checkpoints (export at 128, prompt end, generation end) fit the 16 slots."""
+    s = server_factory("k3_int8")
+    _flush(s)
+    rng = random.Random(15)
+    prompts = [random_tokens(rng, 150) for _ in range(4)]
+    before = _k3_state(s)
+    s.generate(prompts, 4)
+    after = _k3_state(s)
+    stored = after["stores_flushed"] - before["stores_flushed"]
+    flushes = after["store_flushes"] - before["store_flushes"]
+    print(f"\n{stored} checkpoints stored in {flushes} launch(es)")
+    assert stored >= 8 and flushes < stored
+    for p in prompts:
+        out = s.generate(p + random_tokens(rng, 20), 2)
+        assert out["meta_info"]["cached_tokens"] == 150

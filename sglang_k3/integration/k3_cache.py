@@ -99,6 +99,11 @@ class K3RadixCache(BasePrefixCache):
         # on_release, so entries of finished requests are pruned (_forget_finished_requests).
         self._matched: dict[str, Any] = {}
         self._prune_at = 64
+        # quantized stores queued within one process_batch_result (see begin_store_scope)
+        self._store_scope = 0
+        self._store_queue: list = []
+        self.store_flushes = 0
+        self.stores_flushed = 0
         # The extend forward keeps, of its chunk-boundary states, the ones we may store.
         STASH.enable(self._export_candidates, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]),
                      num_layers=int(self.slots.pool.mamba_cache.temporal.shape[0]))
@@ -299,6 +304,9 @@ class K3RadixCache(BasePrefixCache):
         kind = kind or self._kind_for_running(req, up_to)
         if kind is None or not req.kv.holds_mamba or self._has_checkpoint_at(node, up_to):
             return
+        if self._queues_stores():
+            self._queue_store(node, up_to, kind, int(req.kv.mamba_pool_idx), release_active=False)
+            return
         handle = self._pinned(node, self.store.capture_active, int(req.kv.mamba_pool_idx))
         if handle is None:
             return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
@@ -316,6 +324,10 @@ class K3RadixCache(BasePrefixCache):
             self._free_request_slot(req)
             return
         active = int(req.kv.mamba_pool_idx)
+        if self._queues_stores():
+            req.kv.mamba_pool_idx = None  # the queued store owns the slot until the flush frees it
+            self._queue_store(node, up_to, CheckpointKind.GEN_END, active, release_active=True)
+            return
         handle = self._pinned(node, self.store.donate, active)
         if self.store.uses_mamba_slots and handle == active:
             req.kv.mamba_pool_idx = None  # the tree owns the slot now
@@ -323,6 +335,58 @@ class K3RadixCache(BasePrefixCache):
             self._free_request_slot(req)
         if handle is not None:
             self._register(node, up_to, handle, CheckpointKind.GEN_END)
+
+    # ---------------------------------------------------------------- one store launch per step
+    # Within one ``process_batch_result`` (the scheduler hook opens the scope), the quantized
+    # stores of running and finishing requests are queued and run together when it ends: one
+    # launch and one refusal-flag sync for the whole step instead of one per request. A queued
+    # checkpoint is in the tree but not ready (invariant 2: not matchable, not evictable, and its
+    # KV is kept), its checkpoint slot is allocated, and a finished request's active slot is held
+    # until the flush. Outside the scope (aborts, tests) stores run at once, as before.
+    def begin_store_scope(self) -> None:
+        self._store_scope += 1
+
+    def end_store_scope(self) -> None:
+        self._store_scope -= 1
+        if self._store_scope == 0:
+            self.flush_stores()
+
+    def _queues_stores(self) -> bool:
+        return self._store_scope > 0 and not self.store.uses_mamba_slots
+
+    def _queue_store(self, node, pos: int, kind: CheckpointKind, active: int, release_active: bool) -> None:
+        dst = self._pinned(node, self.store.alloc)
+        ck = None
+        if dst is not None:
+            ck = self.tree.add_checkpoint(node, pos, [dst], self.store.slot_bytes, kind=kind, ready=False)
+            if ck is None:
+                self.store.free([dst])
+        if ck is None:  # no memory for it now, or the boundary is already there
+            if release_active:
+                self.slots.free([active])
+            return
+        self._store_queue.append((node, ck, active, dst, release_active))
+
+    def flush_stores(self) -> int:
+        """Run the queued stores in one call; a refused (non-finite) state's checkpoint leaves the
+        tree. Returns how many were stored."""
+        queue, self._store_queue = self._store_queue, []
+        if not queue:
+            return 0
+        res = self.store.pool.store([q[2] for q in queue], [q[3] for q in queue])
+        self.store_flushes += 1
+        for (node, ck, active, _dst, release_active), ok in zip(queue, res.accepted):
+            self.tree.mark_ready(ck)
+            if ok:
+                self.stores_flushed += 1
+                attached = node is self.tree.root or node.parent is not None  # not trimmed away since
+                freed = self.tree.recycle_path(node if attached else ck.node, self.placement)
+                self.store.free(freed.handles)
+            else:
+                self.tree.drop_checkpoint(ck)  # the pool already released the refused slot
+            if release_active:
+                self.slots.free([active])
+        return len(queue)
 
     def _has_checkpoint_at(self, node, pos: int) -> bool:
         return any(ck.pos == pos for ck in self.tree.path_checkpoints(node))
@@ -409,6 +473,7 @@ class K3RadixCache(BasePrefixCache):
             self._prompt_lens.clear()
             self._matched.clear()
             self._pins.clear()
+            self._store_queue = []  # its checkpoints went with the tree; SGLang clears the slots
             RESTORES.clear()
             STASH.clear()
 
@@ -433,6 +498,9 @@ class K3RadixCache(BasePrefixCache):
             # request; the unclaimed ones (a checkpoint was already there) are released
             export_ahead_stored=getattr(self.store, "ahead_stored", 0),
             export_ahead_unclaimed=getattr(self.store, "ahead_unclaimed", 0),
+            # quantized stores of running/finishing requests, one launch per scheduler step
+            store_flushes=self.store_flushes,
+            stores_flushed=self.stores_flushed,
         )
         return d
 

@@ -70,6 +70,8 @@ COUNTERS: dict[str, str] = {
     "deferred_restores": "Quantized checkpoint hits restored at their forward (divided by flushes: the batch size).",
     "export_ahead_stored": "Exported states stored into quantized checkpoints, all of a forward's in one launch.",
     "export_ahead_unclaimed": "Of those, released unclaimed (the cache already had a checkpoint there).",
+    "store_flushes": "Scheduler steps whose quantized checkpoint stores ran together (one launch each).",
+    "stores_flushed": "Quantized checkpoints of running/finishing requests stored by those launches.",
 }
 
 
