@@ -356,11 +356,7 @@ class K3RadixCache(BasePrefixCache):
 
     def _queue_store(self, node, pos: int, kind: CheckpointKind, active: int, release_active: bool) -> None:
         dst = self._pinned(node, self.store.alloc)
-        ck = None
-        if dst is not None:
-            ck = self.tree.add_checkpoint(node, pos, [dst], self.store.slot_bytes, kind=kind, ready=False)
-            if ck is None:
-                self.store.free([dst])
+        ck = None if dst is None else self._add_pending(node, pos, dst, kind)
         if ck is None:  # no memory for it now, or the boundary is already there
             if release_active:
                 self.slots.free([active])
@@ -376,13 +372,11 @@ class K3RadixCache(BasePrefixCache):
         res = self.store.pool.store([q[2] for q in queue], [q[3] for q in queue])
         self.store_flushes += 1
         for (node, ck, active, _dst, release_active), ok in zip(queue, res.accepted):
-            self.tree.mark_ready(ck)
             if ok:
                 self.stores_flushed += 1
-                attached = node is self.tree.root or node.parent is not None  # not trimmed away since
-                freed = self.tree.recycle_path(node if attached else ck.node, self.placement)
-                self.store.free(freed.handles)
+                self._land(node, ck)
             else:
+                self.tree.mark_ready(ck)  # drop_checkpoint takes landed checkpoints only
                 self.tree.drop_checkpoint(ck)  # the pool already released the refused slot
             if release_active:
                 self.slots.free([active])
@@ -392,12 +386,23 @@ class K3RadixCache(BasePrefixCache):
         return any(ck.pos == pos for ck in self.tree.path_checkpoints(node))
 
     def _register(self, node, pos: int, handle: int, kind: CheckpointKind) -> None:
+        ck = self._add_pending(node, pos, handle, kind)
+        if ck is not None:
+            self._land(node, ck)  # the copy (or donation) has been issued: see module docstring
+
+    def _add_pending(self, node, pos: int, handle: int, kind: CheckpointKind):
+        """Put ``handle`` in the tree at ``pos``, not ready yet; None (handle freed) if the tree
+        already has a checkpoint there."""
         ck = self.tree.add_checkpoint(node, pos, [handle], self.store.slot_bytes, kind=kind, ready=False)
         if ck is None:
             self.store.free([handle])
-            return
-        self.tree.mark_ready(ck)  # the copy (or donation) has been issued: see module docstring
-        freed = self.tree.recycle_path(node, self.placement)
+        return ck
+
+    def _land(self, node, ck) -> None:
+        """``ck``'s write has been issued: make it matchable and apply the path's placement budget."""
+        self.tree.mark_ready(ck)
+        attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
+        freed = self.tree.recycle_path(node if attached else ck.node, self.placement)
         self.store.free(freed.handles)
 
     def _free_request_slot(self, req) -> None:
