@@ -1,6 +1,6 @@
 """``python -m sglang_k3.launch_server``: SGLang's own server with sglang-k3's cache and defaults.
 
-Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists them beside ours.
+Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists ours first, then them.
 With no ``--model-path``, the embedded tiny K3-architecture model is built (once) and served.
 On a machine without CUDA the CPU serving defaults are added; any flag you give wins.
 """
@@ -13,6 +13,10 @@ import sys
 from sglang_k3.integration.k3_args import K3Config, add_k3_args, from_namespace
 
 PROG = "python -m sglang_k3.launch_server"
+USAGE = "%(prog)s [-h] [sglang-k3 options] [SGLang options]"
+SGLANG_HEADING = "SGLang options"
+SGLANG_POINTER = ("The options of sglang.launch_server, passed through unchanged\n"
+                  "(`python -m sglang.launch_server --help` lists the same).")
 
 # Defaults that make the hybrid KDA/MLA path serve on CPU (see README, "CPU serving").
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -71,11 +75,16 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
 
 
 def print_help() -> None:
+    """Print our flags first, under their own heading, then SGLang's (over 2,000 lines): a user
+    looking for what sglang-k3 adds finds it at the top. The usage line names the two groups
+    instead of listing every flag (argparse's own would run to hundreds of lines)."""
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, usage=USAGE, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_k3_args(parser)
-    ServerArgs.add_cli_args(parser)
+    # Argument groups print in the order they are made, so SGLang's come after ours.
+    ServerArgs.add_cli_args(parser.add_argument_group(SGLANG_HEADING, SGLANG_POINTER))
     for action in parser._actions:
         if "--model-path" in action.option_strings:
             action.required = False

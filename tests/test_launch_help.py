@@ -1,0 +1,46 @@
+"""``python -m sglang_k3.launch_server --help`` shows sglang-k3's flags first, then SGLang's (issue #15)."""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from sglang_k3.integration.k3_args import add_k3_args
+
+FLAG_LINE = re.compile(r"^  (--[a-z0-9-]+)")
+
+
+@pytest.fixture(scope="module")
+def help_lines() -> list[str]:
+    r = subprocess.run([sys.executable, "-m", "sglang_k3.launch_server", "--help"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.splitlines()
+
+
+def _k3_flags() -> list[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_k3_args(parser)
+    return [opt for a in parser._actions for opt in a.option_strings]
+
+
+def _flag_lines(lines: list[str]) -> list[tuple[int, str]]:
+    """(line number, flag) of each line where an option's help entry starts."""
+    return [(i, m.group(1)) for i, line in enumerate(lines) if (m := FLAG_LINE.match(line))]
+
+
+def test_every_k3_flag_comes_before_sglangs(help_lines):
+    entries = _flag_lines(help_lines)
+    k3 = [i for i, flag in entries if flag.startswith("--k3-")]
+    sglang = [i for i, flag in entries if not flag.startswith("--k3-") and flag != "--help"]
+    assert sorted(flag for _, flag in entries if flag.startswith("--k3-")) == sorted(_k3_flags())
+    assert {"--model-path", "--tokenizer-path", "--radix-cache-backend"} <= {flag for _, flag in entries}
+    assert max(k3) < min(sglang), (help_lines[max(k3)], help_lines[min(sglang)])
+
+
+def test_k3_heading_is_near_the_top(help_lines):
+    assert "sglang-k3:" in help_lines[:40]
+    assert help_lines.index("sglang-k3:") < help_lines.index("SGLang options:")
