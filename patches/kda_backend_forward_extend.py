@@ -6,7 +6,9 @@ This AROUND hook tells the export stash which sequences (by active slot, prefix 
 and request id: ``ForwardBatch.rids``, set for every batch built by ``ForwardBatch.init_new``)
 this forward covers and which KDA layer is running, so the kernel hook can keep the rows of its
 ``h`` that the cache may store. Without request ids the stash keeps each sequence's last grid
-point only. It does nothing unless the k3 cache enabled the stash.
+point only. The stash is the k3 cache's own, reached through the pool SGLang gives both the cache
+and this backend (``sglang_k3/state/forward_state.py``); with no k3 cache on that pool, the hook
+does nothing.
 
 The same hook runs the quantized checkpoint restores the cache deferred to this forward, all in
 one launch, before the first KDA layer reads the pool (``sglang_k3/state/deferred_restore.py``).
@@ -15,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_k3.state.deferred_restore import RESTORES
-from sglang_k3.state.export_context import CURRENT_EXTEND
-from sglang_k3.state.export_stash import STASH
+from sglang_k3.state.export_context import CURRENT_EXTEND, CurrentExtend
+from sglang_k3.state.forward_state import attached
 
 TARGET = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend.forward_extend"
 REASON = "no_buffer drops the chunk-boundary states the k3 cache checkpoints without a second forward"
@@ -25,9 +26,9 @@ UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = False
 
 
-def _exportable(backend, forward_batch, mixed_qkv) -> bool:
+def _exportable(backend, stash, forward_batch, mixed_qkv) -> bool:
     return (
-        STASH.enabled
+        stash.enabled
         and isinstance(mixed_qkv, torch.Tensor)
         and not forward_batch.forward_mode.is_target_verify()
         and getattr(backend, "prefill_graph_metadata", None) is None
@@ -37,22 +38,26 @@ def _exportable(backend, forward_batch, mixed_qkv) -> bool:
 
 
 def forward_extend_recording(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
-    if len(RESTORES):
+    fwd = attached(self.req_to_token_pool)
+    if fwd is None:
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    if len(fwd.restores):
         # quantized checkpoint hits of this forward, dequantized into their requests' slots in one
         # launch before the first KDA layer reads the pool (sglang_k3/state/deferred_restore.py)
-        RESTORES.flush()
-    if not _exportable(self, forward_batch, mixed_qkv):
+        fwd.restores.flush()
+    stash = fwd.stash
+    if not _exportable(self, stash, forward_batch, mixed_qkv):
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
-    if STASH.starts_forward(id(forward_batch), layer.layer_id):
+    if stash.starts_forward(id(forward_batch), layer.layer_id):
         # once per forward: the slot list is a device tensor, and .tolist() waits for the device
-        STASH.begin(
+        stash.begin(
             id(forward_batch),
             self.forward_metadata.mamba_cache_indices.tolist(),
             list(forward_batch.extend_prefix_lens_cpu),
             list(forward_batch.extend_seq_lens_cpu),
             rids=None if getattr(forward_batch, "rids", None) is None else list(forward_batch.rids),
         )
-    token = CURRENT_EXTEND.set((layer.layer_id, mixed_qkv))
+    token = CURRENT_EXTEND.set(CurrentExtend(layer.layer_id, mixed_qkv, stash))
     try:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     finally:

@@ -9,7 +9,6 @@ tensors are released when the layer returns) and returns the output alone, as th
 from __future__ import annotations
 
 from sglang_k3.state.export_context import CURRENT_EXTEND
-from sglang_k3.state.export_stash import STASH
 
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel.extend"
 REASON = "the k3 cache stores chunk-boundary states from the extend itself, never by replay"
@@ -23,8 +22,7 @@ def extend_exporting(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)
     kwargs["return_intermediate_states"] = True
     o, h = original(self, *args, **kwargs)
-    layer_id, mixed_qkv = current
-    STASH.record_layer(layer_id, h, mixed_qkv)
+    current.stash.record_layer(current.layer_id, h, current.mixed_qkv)
     return o
 
 

@@ -1,4 +1,4 @@
-"""Integer stand-ins for the KV and checkpoint pools, for tests and the trace-replay simulator.
+"""Integer stand-ins for the KV and checkpoint pools, for the tree tests.
 
 They catch the bugs the tree must never cause: double free, use of a freed slot, and a write to a
 slot the tree holds as a shared checkpoint (each write bumps a version; a reader that saw version

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_k3.state.checkpoint_pool import CheckpointPool
+from sglang_k3.state.checkpoint_pool import CheckpointError, CheckpointPool
 from sglang_k3.state.deferred_restore import DeferredRestores
 
 L, S, H, V, K = 3, 8, 2, 16, 16
@@ -51,5 +51,5 @@ def test_add_needs_a_bound_pool_and_flush_checks_slots():
     d.bind(pool)
     d.add("a", slots[0], 4)
     pool.decref([slots[0]])  # freed (e.g. evicted) although a restore still named it
-    with pytest.raises(Exception):
+    with pytest.raises(CheckpointError):
         d.flush()

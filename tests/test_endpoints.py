@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import requests
-
 from workloads import random_tokens
 
 
@@ -23,14 +22,14 @@ def test_health_model_info_server_info(server_factory):
 
 def test_extended_prompt_reports_cached_tokens_and_flush_drops_them(server_factory):
     s = server_factory("upstream")
-    requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+    s.flush_cache()  # retried: SGLang refuses while the last request is being retired
     ids = random_tokens(random.Random(99), 150)
     first = s.generate(ids, 4)
     assert first["meta_info"]["cached_tokens"] == 0
     extended = s.generate(ids + first["output_ids"] + random_tokens(random.Random(100), 30), 4)
     assert extended["meta_info"]["cached_tokens"] > 0
     # After a flush nothing is cached any more.
-    requests.post(s.url + "/flush_cache", timeout=60).raise_for_status()
+    s.flush_cache()  # retried: SGLang refuses while the last request is being retired
     again = s.generate(ids + first["output_ids"] + random_tokens(random.Random(100), 30), 4)
     assert again["meta_info"]["cached_tokens"] == 0
     assert again["output_ids"] == extended["output_ids"]
@@ -39,11 +38,14 @@ def test_extended_prompt_reports_cached_tokens_and_flush_drops_them(server_facto
 def test_openai_completions_and_chat(server_factory):
     s = server_factory("upstream")
     model = requests.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    r = requests.post(s.url + "/v1/completions", json={"model": model, "prompt": "The cache says", "max_tokens": 6, "temperature": 0}, timeout=120)
+    body = {"model": model, "prompt": "The cache says", "max_tokens": 6, "temperature": 0}
+    r = requests.post(s.url + "/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     body = r.json()
     assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["text"] is not None
-    r = requests.post(s.url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}, timeout=120)
+    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6,
+            "temperature": 0}
+    r = requests.post(s.url + "/v1/chat/completions", json=body, timeout=120)
     r.raise_for_status()
     chat = r.json()
     assert chat["choices"][0]["message"]["role"] == "assistant"

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from sglang_k3.cache import PlacementPolicy
-from sglang_k3.state.export_stash import CHUNK, STASH, ExportStash
+from sglang_k3.state.deferred_restore import DeferredRestores
+from sglang_k3.state.export_stash import CHUNK, ExportStash, ExportView
+from sglang_k3.state.forward_state import ForwardState
 
 H, V, KD = 2, 16, 16  # heads, value and key dims of one KDA state
 WIDTH = 3  # conv kernel 4: the conv state is the 3 pre-conv rows before a boundary
@@ -88,7 +90,7 @@ def _row_bytes(h_dtype=torch.float32, conv_dtype=torch.bfloat16) -> int:
 @pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])  # CPU kernel fp32, fla bf16
 def test_keeps_only_planned_rows_as_copies(h_dtype):
     stash = ExportStash()
-    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=len(LAYERS))
     full = {}
     refs = []
     for i, layer in enumerate(LAYERS):
@@ -127,19 +129,19 @@ def test_keeps_only_planned_rows_as_copies(h_dtype):
     full_bytes = sum(h.numel() * h.element_size() + m.numel() * m.element_size() for h, m in full.values())
     assert stash.peak_exported_bytes == full_bytes
     assert stash.peak_bytes == stash.stash_bytes() < full_bytes / 3
-    for rows in stash.layers.values():  # copies, not views of the exports
-        assert rows.h.untyped_storage().nbytes() == rows.h.numel() * rows.h.element_size()
-        assert rows.conv.untyped_storage().nbytes() == rows.conv.numel() * rows.conv.element_size()
+    stack = stash.stacked()  # one copy for all layers, not views of the exports
+    assert stack.h.untyped_storage().nbytes() == stack.h.numel() * stack.h.element_size()
+    assert stack.conv.untyped_storage().nbytes() == stack.conv.numel() * stack.conv.element_size()
 
 
 def test_placement_flags_shape_the_plan():
     """No branch-point candidates with branch points off; no prompt-end ones with that off."""
     stash = ExportStash()
-    stash.enable(_planner(PlacementPolicy(at_branch_points=False)), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy(at_branch_points=False)), conv_width=WIDTH, num_layers=1)
     _begin(stash, 1, 0)
     stash.record_layer(0, *_exports(0))
     assert set(stash._rows) == {(_slot("a"), 256), (_slot("d"), 192)}
-    stash.enable(_planner(PlacementPolicy(at_prompt_end=False)), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy(at_prompt_end=False)), conv_width=WIDTH, num_layers=1)
     _begin(stash, 2, 0)
     stash.record_layer(0, *_exports(0))
     assert set(stash._rows) == {(_slot("a"), 128), (_slot("b"), 192)}
@@ -147,7 +149,7 @@ def test_placement_flags_shape_the_plan():
 
 def test_unplanned_stale_and_incomplete_lookups_give_nothing():
     stash = ExportStash()
-    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=1)
     _begin(stash, 1, 0)
     stash.record_layer(0, *_exports(0))
     a = stash.lookup(_slot("a"), 300)
@@ -180,7 +182,7 @@ def test_unplanned_stale_and_incomplete_lookups_give_nothing():
 
 def test_without_request_ids_keeps_the_last_grid_point_only():
     stash = ExportStash()
-    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=1)
     _begin(stash, 1, 0, rids=False)
     stash.record_layer(0, *_exports(0))
     assert set(stash._rows) == {(_slot("a"), 256), (_slot("b"), 320), (_slot("d"), 192)}
@@ -194,7 +196,7 @@ def test_without_request_ids_keeps_the_last_grid_point_only():
 
 def test_nothing_planned_still_records_the_layer():
     stash = ExportStash()
-    stash.enable(lambda rid, seq: [], conv_width=WIDTH)
+    stash.enable(lambda rid, seq: [], conv_width=WIDTH, num_layers=len(LAYERS))
     for layer in LAYERS:
         _begin(stash, 1, layer)
         stash.record_layer(layer, *_exports(layer))
@@ -206,60 +208,50 @@ def test_nothing_planned_still_records_the_layer():
 
 def test_a_planner_cannot_add_positions_off_the_grid():
     stash = ExportStash()
-    stash.enable(lambda rid, seq: [seq.prefix + 100, seq.end, seq.prefix], conv_width=WIDTH)
+    stash.enable(lambda rid, seq: [seq.prefix + 100, seq.end, seq.prefix], conv_width=WIDTH, num_layers=1)
     _begin(stash, 1, 0)
     stash.record_layer(0, *_exports(0))
     assert stash._rows == {} and stash.stash_bytes() == 0
 
 
 # ---------------------------------------------------------------------------- the stores
-@pytest.fixture(params=[False, True], ids=["per-layer", "stacked"])
-def pool_and_stash(request):
-    """A real CPU HybridReqToTokenPool for LAYERS, and the global STASH enabled as the cache does:
-    with the KDA layer count (stacked rows, one store for all layers) and without it."""
+@pytest.fixture
+def pool_and_stash():
+    """A real CPU HybridReqToTokenPool for LAYERS, and a cache's forward state (stash enabled as
+    the cache does, with the KDA layer count) after one recorded forward."""
     pytest.importorskip("sglang")
-    from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from cpu_pools import hybrid_pool
 
     from sglang_k3.state.active_slots import SlotPool
 
-    shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=H, head_dim=KD, conv_kernel_size=WIDTH + 1)
-    params = KimiLinearCacheParams(shape=shape, layers=LAYERS)
-    rtp = HybridReqToTokenPool(
-        size=4, mamba_size=12, mamba_spec_state_size=0, max_context_len=64, device="cpu",
-        enable_memory_saver=False, cache_params=params, mamba_layer_ids=LAYERS,
-        enable_mamba_extra_buffer=False, enable_overlap_schedule=False,
-    )
+    rtp = hybrid_pool(LAYERS, heads=H, head_dim=KD, conv_kernel=WIDTH + 1)
     slots = SlotPool(rtp, lambda n: 0)
     conv = rtp.mamba_pool.mamba_cache.conv[0]
     assert tuple(conv.shape[-2:]) == (WIDTH, D)
-    saved = (STASH.enabled, STASH.planner, STASH.conv_width, STASH.num_layers)
-    STASH.enable(_planner(PlacementPolicy()), conv_width=int(conv.shape[-2]),
-                 num_layers=len(LAYERS) if request.param else None)
+    fwd = ForwardState(ExportStash(), DeferredRestores())
+    fwd.stash.enable(_planner(PlacementPolicy()), conv_width=int(conv.shape[-2]), num_layers=len(LAYERS))
     full = {}
     for i, layer in enumerate(LAYERS):
-        _begin(STASH, 1, layer)
+        _begin(fwd.stash, 1, layer)
         h, mixed_qkv = _exports(10 + i, torch.float32, conv.dtype)
         full[layer] = (h.clone(), mixed_qkv.clone())
-        STASH.record_layer(layer, h, mixed_qkv)
-    assert (STASH.stacked() is not None) == request.param
-    yield rtp, slots, full
-    STASH.clear()
-    STASH.enabled, STASH.planner, STASH.conv_width, STASH.num_layers = saved
+        fwd.stash.record_layer(layer, h, mixed_qkv)
+    assert fwd.stash.stacked() is not None
+    return rtp, slots, full, fwd
 
 
 def test_native_store_is_bit_exact_and_refuses_unplanned(pool_and_stash):
     from sglang_k3.state.checkpoint_store import NativeSlotStore
 
-    rtp, slots, full = pool_and_stash
-    store = NativeSlotStore(slots)
-    a = STASH.lookup(_slot("a"), 300)
+    rtp, slots, full, fwd = pool_and_stash
+    store = NativeSlotStore(slots, fwd)
+    a = _view(fwd, "a")
     free_before = rtp.mamba_allocator.available_size()
-    assert store.capture_export(a, 192) is None  # exported but not planned
-    assert rtp.mamba_allocator.available_size() == free_before  # no slot taken
+    assert not a.kept(192)  # exported but not planned
+    assert store.capture_export(a, 192) is None
+    assert rtp.mamba_allocator.available_size() == free_before  # no slot kept
     for rid, pos in sorted(PLANNED):
-        seq = STASH.lookup(_slot(rid), next(p + n for r, _, p, n, _, _ in BATCH if r == rid))
-        dst = store.capture_export(seq, pos)
+        dst = store.capture_export(_view(fwd, rid), pos)
         assert dst is not None
         chunk, end = _where(rid, pos)
         for layer in LAYERS:
@@ -274,15 +266,13 @@ def test_quantized_store_equals_a_store_from_the_full_tensors(pool_and_stash, dt
     from sglang_k3.state.checkpoint_pool import CheckpointPool
     from sglang_k3.state.checkpoint_store import QuantizedStore
 
-    rtp, slots, full = pool_and_stash
-    store = QuantizedStore(slots, dtype, num_slots=8, evict_bytes=lambda n: 0)
+    rtp, slots, full, fwd = pool_and_stash
+    store = QuantizedStore(slots, dtype, num_slots=8, evict_bytes=lambda n: 0, fwd=fwd)
     ref = CheckpointPool.from_mamba_pool(rtp.mamba_pool, num_slots=8, dtype=dtype)
-    a = STASH.lookup(_slot("a"), 300)
-    assert store.capture_export(a, 64) is None
+    assert store.capture_export(_view(fwd, "a"), 64) is None
     assert store.pool.available_size() == 8  # nothing allocated for an unplanned state
     for rid, pos in sorted(PLANNED):
-        seq = STASH.lookup(_slot(rid), next(p + n for r, _, p, n, _, _ in BATCH if r == rid))
-        dst = store.capture_export(seq, pos)
+        dst = store.capture_export(_view(fwd, rid), pos)
         assert dst is not None
         # The previous code path: chunk index into the full h, conv window from the full stream.
         chunk, end = _where(rid, pos)
@@ -296,17 +286,19 @@ def test_quantized_store_equals_a_store_from_the_full_tensors(pool_and_stash, dt
         if ref.scale is not None:
             assert torch.equal(store.pool.scale[dst], ref.scale[want[0]])
         assert torch.equal(store.pool.conv[dst], ref.conv[want[0]])
-        got = store.pool.read(dst)
+        active = slots.alloc()  # a hit restores it: the conv window comes back exactly
+        store.pool.restore([dst], [active])
         for layer in LAYERS:
-            assert torch.equal(got["conv"][rtp.mamba_map[layer]],
-                               full[layer][1][end - WIDTH : end].to(got["conv"].dtype))
+            assert torch.equal(rtp.mamba2_layer_cache(layer).conv[0][active],
+                               full[layer][1][end - WIDTH : end].to(rtp.mamba_pool.mamba_cache.conv[0].dtype))
+        slots.free([active])
 
 
 def test_a_forward_is_planned_once_not_at_every_layer():
     """The hook asks ``starts_forward`` at each KDA layer and begins (one device sync for the slot
     list) only at the first layer of a forward: a new batch, or a layer seen again."""
     stash = ExportStash()
-    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=len(LAYERS))
     begun = []
     for key, layers in ((1, LAYERS), (1, LAYERS), (2, LAYERS[:1])):
         for layer in layers:
@@ -320,67 +312,76 @@ def test_a_forward_is_planned_once_not_at_every_layer():
     assert set(stash.layers) == {LAYERS[0]}
 
 
-def test_stacked_rows_equal_the_per_layer_rows():
-    """With the layer count, one forward's kept rows are [num_layers, n, ...] tensors (the layers in
-    the order they ran), available once every layer is recorded, equal to the per-layer rows."""
-    flat, stacked = ExportStash(), ExportStash()
-    flat.enable(_planner(PlacementPolicy()), conv_width=WIDTH)
-    stacked.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=len(LAYERS))
+def test_stacked_rows_need_every_layer():
+    """One forward's kept rows are [num_layers, n, ...] tensors (the layers in the order they ran),
+    available only once every layer is recorded; a layer beyond the count is an error."""
+    stash = ExportStash()
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=len(LAYERS))
     for k, layer in enumerate(LAYERS):
-        for st in (flat, stacked):
-            _begin(st, 1, layer)
-            st.record_layer(layer, *_exports(layer))
-        assert flat.stacked() is None
-        assert (stacked.stacked() is None) == (k < len(LAYERS) - 1)
-    stack = stacked.stacked()
-    n = len(PLANNED)
-    assert stack.h.shape == (len(LAYERS), n, H, V, KD) and stack.conv.shape == (len(LAYERS), n, WIDTH, D)
-    assert list(stacked.layers) == LAYERS
-    for i, layer in enumerate(LAYERS):
-        assert torch.equal(stack.h[i], flat.layers[layer].h)
-        assert torch.equal(stack.conv[i], flat.layers[layer].conv)
-        assert torch.equal(stacked.layers[layer].h, flat.layers[layer].h)
-    assert stacked.stash_bytes() == flat.stash_bytes()
+        _begin(stash, 1, layer)
+        stash.record_layer(layer, *_exports(layer))
+        assert (stash.stacked() is None) == (k < len(LAYERS) - 1)
+        a = stash.lookup(_slot("a"), 300)
+        assert (stash.row(a, 256) is None) == (k < len(LAYERS) - 1)  # no partial state is stored
+    stack = stash.stacked()
+    assert stack.h.shape == (len(LAYERS), len(PLANNED), H, V, KD)
+    assert stack.conv.shape == (len(LAYERS), len(PLANNED), WIDTH, D)
+    assert list(stash.layers) == LAYERS
+    with pytest.raises(RuntimeError):
+        stash.record_layer(99, *_exports(0))
     with pytest.raises(ValueError):
-        stacked.enable(None, conv_width=WIDTH, num_layers=0)
+        stash.enable(None, conv_width=WIDTH, num_layers=0)
 
 
-@pytest.mark.parametrize("pool_and_stash", [True], ids=["stacked"], indirect=True)
+def test_rows_are_dropped_once_every_planned_sequence_checkpointed():
+    """The cache consumes a sequence when its request checkpoints after the forward; once every
+    sequence with kept rows is consumed the rows go at once, not at the next extend."""
+    stash = ExportStash()
+    stash.enable(_planner(PlacementPolicy()), conv_width=WIDTH, num_layers=1)
+    _begin(stash, 1, 0)
+    stash.record_layer(0, *_exports(0))
+    planned_slots = sorted({_slot(rid) for rid, _ in PLANNED})
+    stash.consume(_slot("c"))  # nothing planned for it: changes nothing
+    for s in planned_slots[:-1]:
+        stash.consume(s)
+        assert stash.stash_bytes() > 0
+    stash.consume(planned_slots[-1])
+    assert stash.stash_bytes() == 0 and stash.layers == {}
+
+
 def test_quantized_exports_of_a_forward_are_stored_ahead_in_one_call(pool_and_stash):
     """With stacked rows, the first request's call stores every kept row of the forward (one
     launch); requests claim their own; what nobody claims is released when the rows are dropped.
     A pool too small for all rows stores the first ones; the rest are simply not available."""
     from sglang_k3.state.checkpoint_store import QuantizedStore
 
-    rtp, slots, full = pool_and_stash
-    assert STASH.stacked() is not None
-    order = sorted(PLANNED, key=lambda rp: STASH.row(_seq(rp[0]), rp[1]))
+    rtp, slots, full, fwd = pool_and_stash
+    order = sorted(PLANNED, key=lambda rp: fwd.stash.row(_view(fwd, rp[0]).seq, rp[1]))
 
-    store = QuantizedStore(slots, "int8", num_slots=8, evict_bytes=lambda n: 0)
+    store = QuantizedStore(slots, "int8", num_slots=8, evict_bytes=lambda n: 0, fwd=fwd)
     rid, pos = order[0]
-    got = store.capture_export(_seq(rid), pos)
+    got = store.capture_export(_view(fwd, rid), pos)
     assert got is not None
     assert store.pool.available_size() == 8 - len(PLANNED)  # all kept rows stored at once
     assert store.ahead_stored == len(PLANNED)
     rid, pos = order[2]
-    assert store.capture_export(_seq(rid), pos) is not None
-    assert store.capture_export(_seq(rid), pos) is None  # claimed once
-    STASH.clear()  # the next forward begins: the two unclaimed slots go back
+    assert store.capture_export(_view(fwd, rid), pos) is not None
+    assert store.capture_export(_view(fwd, rid), pos) is None  # claimed once
+    fwd.stash.clear()  # the next forward begins: the two unclaimed slots go back
     assert store.pool.available_size() == 8 - 2 and store.ahead_unclaimed == len(PLANNED) - 2
 
 
-@pytest.mark.parametrize("pool_and_stash", [True], ids=["stacked"], indirect=True)
 def test_stored_ahead_with_a_small_pool(pool_and_stash):
     from sglang_k3.state.checkpoint_store import QuantizedStore
 
-    rtp, slots, full = pool_and_stash
-    assert STASH.stacked() is not None
-    order = sorted(PLANNED, key=lambda rp: STASH.row(_seq(rp[0]), rp[1]))
-    store = QuantizedStore(slots, "int8", num_slots=2, evict_bytes=lambda n: 0)
-    got = [store.capture_export(_seq(rid), pos) for rid, pos in reversed(order)]
+    rtp, slots, full, fwd = pool_and_stash
+    order = sorted(PLANNED, key=lambda rp: fwd.stash.row(_view(fwd, rp[0]).seq, rp[1]))
+    store = QuantizedStore(slots, "int8", num_slots=2, evict_bytes=lambda n: 0, fwd=fwd)
+    got = [store.capture_export(_view(fwd, rid), pos) for rid, pos in reversed(order)]
     assert [g is not None for g in reversed(got)] == [True, True] + [False] * (len(order) - 2)
     assert store.pool.available_size() == 0
 
 
-def _seq(rid):
-    return STASH.lookup(_slot(rid), next(p + n for r, _, p, n, _, _ in BATCH if r == rid))
+def _view(fwd, rid) -> ExportView:
+    seq = fwd.stash.lookup(_slot(rid), next(p + n for r, _, p, n, _, _ in BATCH if r == rid))
+    return ExportView(fwd.stash, seq)

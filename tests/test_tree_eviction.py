@@ -1,5 +1,7 @@
 """Eviction order over two resources (KV tokens, checkpoint bytes) and locked-path protection."""
-from sglang_k3.cache import CheckpointKind, EvictionPolicy, IntPool, K3RadixTree, preset
+from int_pools import IntPool
+
+from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, preset
 
 
 def build(alpha=1.0, cost=None, page=1):
@@ -85,3 +87,22 @@ def test_internal_node_becomes_leaf_and_is_evicted_after_children():
     tree.insert(base + [2] * 128, kv.alloc(256))
     freed = tree.evict(num_tokens=10_000)
     assert len(freed.kv_indices) == 384 and not tree.root.children
+
+
+def test_freed_carries_typed_actions_with_the_reason():
+    """What the tree lets go of comes back as actions the caller executes: evicted checkpoints
+    (a lower tier could keep those), recycled ones (not worth keeping), KV index runs; the
+    totals equal the sum of the actions."""
+    from sglang_k3.cache import DropReason, FreeKV, PlacementPolicy, ReleaseCheckpoint
+
+    tree, kv, h = build()
+    key, node, [c64, c128] = branch(tree, kv, h, 1, 256, [64, 128])
+    c64.kind = CheckpointKind.CHUNK  # superseded by 128 on the same path: recyclable
+    rec = tree.recycle_path(node, PlacementPolicy())
+    assert rec.actions == [ReleaseCheckpoint(c64.handles, 64, 1000, DropReason.RECYCLED)]
+    ev = tree.evict(num_tokens=1000)
+    kinds = [type(a) for a in ev.actions]
+    assert ReleaseCheckpoint in kinds and FreeKV in kinds
+    assert [a.reason for a in ev.actions if isinstance(a, ReleaseCheckpoint)] == [DropReason.EVICTED]
+    assert sorted(i for a in ev.actions if isinstance(a, FreeKV) for i in a.indices) == sorted(ev.kv_indices)
+    assert len(ev.kv_indices) == 256 and ev.handles == c128.handles and tree.total_size() == 0

@@ -1,7 +1,8 @@
 """The three K3 concurrency invariants; each test fails if its guard is removed."""
 import pytest
+from int_pools import IntPool
 
-from sglang_k3.cache import CheckpointBusy, IntPool, K3RadixTree
+from sglang_k3.cache import CheckpointBusy, K3RadixTree
 
 
 def tree_with_checkpoint(groups=3, ready=True):
@@ -41,14 +42,13 @@ def test_inv2_checkpoint_registered_this_step_is_not_matchable_until_landed():
     assert tree.match_prefix(key + [1], pin=False).restore_len == 512
 
 
-def test_inv3_dropping_one_group_invalidates_all_siblings_atomically():
+def test_inv3_evicting_a_boundary_frees_every_group_atomically():
     tree, kv, h, key, ck = tree_with_checkpoint(groups=4)
     handles = list(ck.handles)
-    freed = tree.invalidate_group(ck, 2)
+    freed = tree.evict(num_bytes=1)  # one byte's worth takes the whole boundary, all 4 groups
     assert sorted(freed.handles) == sorted(handles)
     assert tree.checkpoint_count() == 0 and tree.checkpoint_bytes() == 0
     assert tree.match_prefix(key + [1]).restore_len == 0
-    assert tree.stats.invalidated_checkpoints == 1
     tree.check_invariants()
 
 
@@ -56,7 +56,7 @@ def test_inv3_pinned_boundary_cannot_lose_one_group():
     tree, kv, h, key, ck = tree_with_checkpoint()
     m = tree.match_prefix(key + [1])
     with pytest.raises(CheckpointBusy):
-        tree.invalidate_group(ck, 0)
+        tree.drop_checkpoint(ck)
     assert ck.complete
     tree.release_pin(m.pin)
 
@@ -76,7 +76,8 @@ def test_lock_refs_never_negative():
 def test_lock_protects_checkpoints_only_when_asked(lock_protects):
     """With ``lock_protects_checkpoints=False`` (the server's setting: requests run on private
     state copies) a lock keeps the KV path but not its checkpoints; pins still protect them."""
-    tree, kv, h = K3RadixTree(num_groups=1, hit_unit=64, lock_protects_checkpoints=lock_protects), IntPool(1000), IntPool(10)
+    tree = K3RadixTree(num_groups=1, hit_unit=64, lock_protects_checkpoints=lock_protects)
+    kv, h = IntPool(1000), IntPool(10)
     key = list(range(128))
     r = tree.insert(key, kv.alloc(128))
     ck = tree.add_checkpoint(r.node, 64, h.alloc(1), nbytes=100, ready=True)

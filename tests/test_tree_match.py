@@ -1,7 +1,8 @@
 """Two-phase lookup, fine-grained hits and the upstream failure shapes, over plain ints."""
 import pytest
+from int_pools import IntPool
 
-from sglang_k3.cache import CheckpointKind, IntPool, K3RadixTree
+from sglang_k3.cache import CheckpointKind, K3RadixTree
 
 
 def setup(page=1, unit=64, groups=2, kv=100_000):

@@ -7,7 +7,7 @@ import sys
 sys.modules['torch'] = None
 sys.modules['sglang'] = None
 import sglang_k3.cache as c
-from sglang_k3.cache import tree, placement, eviction, cost_model, stats, node, results, int_pools
+from sglang_k3.cache import tree, placement, eviction, cost_model, stats, node, results, lifecycle
 t = c.K3RadixTree(num_groups=2)
 r = t.insert(list(range(128)), list(range(128)))
 t.add_checkpoint(r.node, 64, [1, 2], 8, ready=True)

@@ -1,5 +1,8 @@
 """Placement flags and recycling of superseded intermediate checkpoints."""
-from sglang_k3.cache import CheckpointKind as K, IntPool, K3RadixTree, PlacementPolicy
+from int_pools import IntPool
+
+from sglang_k3.cache import CheckpointKind as K
+from sglang_k3.cache import K3RadixTree, PlacementPolicy
 
 
 def test_plan_prefill_positions_and_flags():

@@ -6,15 +6,16 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from int_pools import IntPool
 
-from sglang_k3.cache import CheckpointBusy, CheckpointKind, IntPool, K3RadixTree, PlacementPolicy
+from sglang_k3.cache import CheckpointBusy, CheckpointKind, K3RadixTree, PlacementPolicy
 
 UNIT = 16
 BASES = [[b * 1000 + i for i in range(300)] for b in range(3)]
 
 op = st.tuples(
     st.sampled_from(["insert", "insert", "match", "match", "match", "unlock", "ckpt", "ckpt", "ckpt",
-                     "commit", "land", "evict_kv", "evict_b", "recycle", "invalidate", "write"]),
+                     "commit", "land", "evict_kv", "evict_b", "recycle", "drop", "write"]),
     st.integers(0, 2), st.integers(0, 300), st.integers(0, 40), st.integers(0, 10_000),
 )
 
@@ -84,10 +85,10 @@ class Harness:
             self.free(t.evict(num_bytes=n * 10))
         elif name == "recycle" and self.locks:
             self.free(t.recycle_path(rnd.choice(self.locks), PlacementPolicy(per_path_budget=2)))
-        elif name == "invalidate" and t.checkpoints():
+        elif name == "drop" and t.checkpoints():
             ck = rnd.choice(t.checkpoints())
             try:
-                self.free(t.invalidate_group(ck, r % t.num_groups))
+                self.free(t.drop_checkpoint(ck))
             except CheckpointBusy:
                 assert ck.pins > 0 or not ck.ready
         elif name == "write" and self.h.allocated:

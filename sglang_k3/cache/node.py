@@ -94,4 +94,5 @@ class Node:
         return sum(c.nbytes for c in self.checkpoints.values())
 
     def __repr__(self) -> str:  # small, for test failure messages
-        return f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, lock={self.lock_ref})"
+        return (f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, "
+                f"lock={self.lock_ref})")

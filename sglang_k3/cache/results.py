@@ -2,8 +2,9 @@
 wrapper, the trace-replay simulator) convert them to tensors or simulated frees as they need."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from sglang_k3.cache.node import Checkpoint, Node
 
@@ -63,17 +64,61 @@ class InsertResult:
     node: Node
 
 
+class DropReason(enum.Enum):
+    """Why the tree let go of a checkpoint: what a caller with a lower memory tier may do with it."""
+
+    EVICTED = "evicted"  # memory pressure: worth keeping below (a host tier demotes it instead)
+    RECYCLED = "recycled"  # superseded on its path by the placement policy: not worth keeping
+    DROPPED = "dropped"  # the caller asked (e.g. its store was refused)
+    RESET = "reset"  # the whole tree was flushed
+
+
+@dataclass(frozen=True)
+class FreeKV:
+    """Give these MLA KV pool indices back."""
+
+    indices: list[int]
+
+
+@dataclass(frozen=True)
+class ReleaseCheckpoint:
+    """The tree no longer holds this boundary (``pos``): every KDA group's handle comes back at
+    once (invariant 3)."""
+
+    handles: list[int]
+    pos: int
+    nbytes: int
+    reason: DropReason
+
+
+CacheAction = Union[FreeKV, ReleaseCheckpoint]
+
+
 @dataclass
 class Freed:
-    """What an eviction, recycle or reset gives back to the pools. The tree never frees anything
-    itself: pool accounting stays with the caller."""
+    """What an eviction, recycle or reset gives back to the pools, as typed actions the caller
+    executes (the tree never frees anything itself: pool accounting stays with the caller), with
+    the totals alongside."""
 
+    actions: list = field(default_factory=list)  # CacheAction, in the order they happened
     kv_indices: list[int] = field(default_factory=list)
     handles: list[int] = field(default_factory=list)
     checkpoint_bytes: int = 0
     checkpoints: int = 0
 
+    def add_kv(self, indices: list[int]) -> None:
+        if indices:
+            self.actions.append(FreeKV(list(indices)))
+            self.kv_indices.extend(indices)
+
+    def add_checkpoint(self, handles: list[int], pos: int, nbytes: int, reason: DropReason) -> None:
+        self.actions.append(ReleaseCheckpoint(list(handles), pos, nbytes, reason))
+        self.handles.extend(handles)
+        self.checkpoint_bytes += nbytes
+        self.checkpoints += 1
+
     def extend(self, other: "Freed") -> None:
+        self.actions.extend(other.actions)
         self.kv_indices.extend(other.kv_indices)
         self.handles.extend(other.handles)
         self.checkpoint_bytes += other.checkpoint_bytes

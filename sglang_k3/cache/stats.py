@@ -29,7 +29,6 @@ class CacheStats:
     evicted_checkpoints: int = 0
     evicted_checkpoint_bytes: int = 0
     recycled_checkpoints: int = 0
-    invalidated_checkpoints: int = 0  # by one group's entry being dropped (invariant 3)
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
 
     @property

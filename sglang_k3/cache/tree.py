@@ -29,7 +29,9 @@ Design
   K3 invariants are enforced here: (1) ``match_prefix(pin=True)`` pins the checkpoint (all groups
   at once) and locks the KV path under it before returning, so nothing the caller allocates next
   can evict it; (2) a checkpoint is not matchable (and not evictable) until ``mark_ready`` /
-  ``commit_step`` says its copy landed; (3) dropping one group's entry drops the whole boundary.
+  ``commit_step`` says its copy landed; (3) a boundary's groups go together: dropping or evicting
+  a checkpoint hands back every group's handle at once (a half boundary would linger
+  unrestorable).
 * **Eviction** of two resources: KV tokens (leaves only, never locked ones; KV past a leaf's last
   checkpoint is dead for restores and goes first; a leaf whose KV goes loses its checkpoints) and
   checkpoint bytes (dropping a checkpoint keeps its KV: the node becomes a pass-through). Order
@@ -41,7 +43,7 @@ from typing import Iterator, Optional, Sequence
 
 from sglang_k3.cache.eviction import Candidate, EvictionPolicy, rank
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
-from sglang_k3.cache.results import Freed, InsertResult, MatchResult, Pin
+from sglang_k3.cache.results import DropReason, Freed, InsertResult, MatchResult, Pin
 from sglang_k3.cache.stats import CacheStats, MatchRecord
 
 
@@ -376,7 +378,7 @@ class K3RadixTree:
             return False
         return ck.node.lock_ref == 0 or not self.lock_protects_checkpoints
 
-    def drop_checkpoint(self, ck: Checkpoint) -> Freed:
+    def drop_checkpoint(self, ck: Checkpoint, reason: DropReason = DropReason.DROPPED) -> Freed:
         """Remove one boundary, every group at once; its KV stays (pass-through node)."""
         if ck.pins > 0 or not ck.ready:
             raise CheckpointBusy(f"checkpoint at {ck.pos} is pinned or its copy has not landed")
@@ -389,15 +391,8 @@ class K3RadixTree:
         ck.node = None  # detached; ck.handles keeps the record of what was handed back
         self.stats.checkpoints -= 1
         self.stats.checkpoint_bytes -= ck.nbytes
-        return Freed(handles=handles, checkpoint_bytes=ck.nbytes, checkpoints=1)
-
-    def invalidate_group(self, ck: Checkpoint, group: int) -> Freed:
-        """A group's entry is going away (its pool needs space, a tier lost it): invariant 3 says
-        the siblings go with it atomically, or a half boundary would linger unrestorable."""
-        if not 0 <= group < self.num_groups:
-            raise ValueError("no such group")
-        freed = self.drop_checkpoint(ck)
-        self.stats.invalidated_checkpoints += 1
+        freed = Freed()
+        freed.add_checkpoint(handles, ck.pos, ck.nbytes, reason)
         return freed
 
     def path_checkpoints(self, node: Node) -> list[Checkpoint]:
@@ -440,7 +435,7 @@ class K3RadixTree:
         for cand in rank(cands, self.policy.alpha):
             if freed.checkpoint_bytes >= need:
                 break
-            freed.extend(self.drop_checkpoint(cand.obj))  # type: ignore[arg-type]
+            freed.extend(self.drop_checkpoint(cand.obj, DropReason.EVICTED))  # type: ignore[arg-type]
         self.stats.evicted_checkpoints += freed.checkpoints
         self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
         return freed
@@ -483,7 +478,7 @@ class K3RadixTree:
                     break
                 leaf: Node = cand.obj  # type: ignore[assignment]
                 for ck in list(leaf.checkpoints.values()):
-                    f = self.drop_checkpoint(ck)
+                    f = self.drop_checkpoint(ck, DropReason.EVICTED)
                     self.stats.evicted_checkpoints += 1
                     self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
                     freed.extend(f)
@@ -505,7 +500,9 @@ class K3RadixTree:
             leaf.parent = None
         else:
             leaf.key, leaf.kv = leaf.key[:cut], leaf.kv[:cut]
-        return Freed(kv_indices=out)
+        freed = Freed()
+        freed.add_kv(out)
+        return freed
 
     # ------------------------------------------------------------------ recycle / reset
     def recycle_path(self, node: Node, policy: "PlacementPolicy") -> Freed:  # noqa: F821
@@ -514,7 +511,7 @@ class K3RadixTree:
         freed = Freed()
         for ck in policy.select_recyclable(self.path_checkpoints(node), self.is_branch_point):
             if ck.pins == 0 and ck.ready:
-                freed.extend(self.drop_checkpoint(ck))
+                freed.extend(self.drop_checkpoint(ck, DropReason.RECYCLED))
         self.stats.recycled_checkpoints += freed.checkpoints
         return freed
 
@@ -526,11 +523,9 @@ class K3RadixTree:
         while stack:
             n = stack.pop()
             stack.extend(n.children.values())
-            freed.kv_indices.extend(n.kv)
+            freed.add_kv(n.kv)
             for ck in n.checkpoints.values():
-                freed.handles.extend(ck.held_handles())
-                freed.checkpoint_bytes += ck.nbytes
-                freed.checkpoints += 1
+                freed.add_checkpoint(ck.held_handles(), ck.pos, ck.nbytes, DropReason.RESET)
                 ck.node = None
             n.parent = None
         self._reset_state()

@@ -1,35 +1,14 @@
-"""sglang-k3's own command-line flags (all prefixed ``--k3-``) and how they reach the scheduler.
+"""sglang-k3's own command-line flags (all prefixed ``--k3-``), parsed into a
+:class:`~sglang_k3.config.K3Config`.
 
-SGLang starts the scheduler in a spawned process from ``ServerArgs``, which has no room for
-extension flags. ``launch_server`` therefore parses ours first, removes them from argv, and
-publishes them in the environment variable ``SGLANG_K3_CONFIG`` (JSON), which every child process
-inherits. ``current()`` reads it back (defaults when unset, e.g. under ``sglang.launch_server``).
+``launch_server`` parses ours first, removes them from argv and publishes the config to the
+scheduler processes (:mod:`sglang_k3.config` says how); ``current()`` reads it back.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 
-ENV_CONFIG = "SGLANG_K3_CONFIG"
-
-
-@dataclasses.dataclass
-class K3Config:
-    embedded_model_dir: str | None = None
-    cpu_defaults: bool = True
-    checkpoint_chunk_end: bool = True
-    checkpoint_prompt_end: bool = True
-    checkpoint_generation_end: bool = True
-    checkpoint_branch_points: bool = True
-    checkpoint_budget: int = 8
-    checkpoint_dtype: str = "int8"
-    checkpoint_slots: int = 64
-    decode_checkpoint_interval: int = 4096
-
-    def to_env(self) -> None:
-        os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
+from sglang_k3.config import ENV_CONFIG, K3Config, from_env  # noqa: F401  (re-exported)
 
 
 def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -132,7 +111,5 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
 
 
 def current() -> K3Config:
-    raw = os.environ.get(ENV_CONFIG)
-    if not raw:
-        return K3Config()
-    return K3Config(**json.loads(raw))
+    """The config ``launch_server`` published for this process tree (defaults when none)."""
+    return from_env()

@@ -50,8 +50,9 @@ GAUGES: dict[str, str] = {
     "checkpoint_bytes": "Bytes held by live checkpoints.",
     "checkpoint_slot_bytes": "Bytes of one checkpoint (all KDA layers of one boundary).",
     "kv_tokens": "MLA KV tokens held by the k3 tree.",
-    "export_stash_bytes": "Bytes of exported chunk-boundary state rows held for the cache until the next extend.",
+    "export_stash_bytes": "Bytes of exported chunk-boundary state rows held until their requests checkpoint.",
     "export_stash_peak_bytes": "Peak of export_stash_bytes since start.",
+    "export_stash_last_bytes": "Bytes of rows the most recent extend that kept any kept (0 held once stored).",
     "export_full_peak_bytes": "Peak bytes of one extend's full exported states and pre-conv rows (not held).",
     "tracked_requests": "Requests the cache keeps match-time data for (admitted, not yet released).",
 }
@@ -65,7 +66,6 @@ COUNTERS: dict[str, str] = {
     "evicted_checkpoints": "Checkpoints evicted.",
     "evicted_checkpoint_bytes": "Checkpoint bytes evicted.",
     "recycled_checkpoints": "Intermediate checkpoints recycled by the per-path placement budget.",
-    "invalidated_checkpoints": "Checkpoints dropped with a sibling group's entry (invariant 3).",
     "deferred_restore_flushes": "Extend forwards that restored quantized checkpoint hits (one launch each).",
     "deferred_restores": "Quantized checkpoint hits restored at their forward (divided by flushes: the batch size).",
     "export_ahead_stored": "Exported states stored into quantized checkpoints, all of a forward's in one launch.",
@@ -95,16 +95,11 @@ def k3_cache_of(tree_cache: Any):
     return tree_cache if isinstance(tree_cache, K3RadixCache) else None
 
 
-def _checkpoint_store(cache):
-    return getattr(cache, "store", None) or cache.slots
-
-
 def server_snapshot(cache) -> dict[str, Any]:
     """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
     snap: dict[str, Any] = dict(cache.stats_dict())
-    store = _checkpoint_store(cache)
-    snap["checkpoint_slot_bytes"] = int(store.slot_bytes)
-    snap["checkpoint_dtype"] = str(getattr(store, "dtype", "fp32"))
+    snap["checkpoint_slot_bytes"] = int(cache.store.slot_bytes)
+    snap["checkpoint_dtype"] = str(cache.store.dtype)
     return snap
 
 

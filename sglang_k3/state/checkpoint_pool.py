@@ -4,7 +4,7 @@ A checkpoint holds the state of every KDA layer of one group at one token bounda
 
     alloc -> (store | store_from_intermediate for every layer) -> sealed (read-only, shareable)
           -> restore(...) any number of times (copy-on-write into private fp32 active slots)
-          -> decref ... -> refcount 0 -> free
+          -> decref -> free
 
 * The active side is upstream's ``MambaPool`` layout: ``temporal [L, S, H, V, K]`` (fp32) and
   ``conv [L, S, *conv_shape]`` (native dtype), i.e. ``mamba_pool.mamba_cache.temporal`` and
@@ -146,9 +146,6 @@ class CheckpointPool:
             b += self.conv[0].numel() * self.conv.element_size()
         return b
 
-    def mem_usage_bytes(self) -> int:
-        return self.bytes_per_slot * self.num_slots
-
     @staticmethod
     def estimate_bytes_per_slot(*, num_layers, num_heads, head_v_dim, head_k_dim, conv_numel=0,
                                 conv_dtype=torch.bfloat16, dtype="int8") -> int:
@@ -178,11 +175,6 @@ class CheckpointPool:
         if not (0 <= s < self.num_slots) or self._ref[s] <= 0:
             raise CheckpointError(f"checkpoint slot {s} is not allocated")
 
-    def incref(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            self._check_live(s)
-            self._ref[s] += 1
-
     def decref(self, slots: Sequence[int]) -> List[int]:
         """Drop one reference each; returns the slots that became free."""
         freed = []
@@ -197,12 +189,6 @@ class CheckpointPool:
         return freed
 
     free = decref
-
-    def refcount(self, s: int) -> int:
-        return self._ref[s]
-
-    def is_sealed(self, s: int) -> bool:
-        return self._ref[s] > 0 and self._sealed[s]
 
     # ------------------------------------------------------------------ data movement
     def _writable(self, ckpt_slots: Sequence[int]) -> None:
@@ -321,14 +307,3 @@ class CheckpointPool:
                                    state_v_first=state_v_first, conv_src=conv_src, token_ends=token_ends,
                                    dst_conv=self.conv, use_triton=self.use_triton, **self._kw(h))
         return self._finish(ckpt_slots, bad, layers)
-
-    # ------------------------------------------------------------------ inspection
-    def read(self, slot: int) -> dict:
-        """Dequantized copy of one checkpoint (fp32 temporal [L, H, V, K], conv [L, *conv_shape])."""
-        self._check_live(slot)
-        if self.dtype == torch.int8:
-            t = K.ref.dequantize_tile(self.q[slot], self.scale[slot])
-        else:
-            t = self.q[slot].float()
-        c = None if self.conv is None else self.conv[slot].reshape((self.L,) + self.conv_shape).clone()
-        return {"temporal": t, "conv": c}

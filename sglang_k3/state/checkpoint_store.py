@@ -1,4 +1,5 @@
-"""Where the k3 tree's checkpoints live, by checkpoint dtype.
+"""Where the k3 tree's checkpoints live on the device, by checkpoint dtype: two implementations of
+the lifecycle's :class:`~sglang_k3.cache.lifecycle.CheckpointStore` interface.
 
 * ``fp32`` (:class:`NativeSlotStore`): a checkpoint is a slot of SGLang's mamba pool, in the
   active state's own format. A finished request's slot is *donated* (no copy); a hit is a
@@ -7,41 +8,46 @@
   :class:`~sglang_k3.state.checkpoint_pool.CheckpointPool` (INT8 with per-(layer, head, k) fp32
   scales, or bf16; conv state in its native dtype). Storing quantizes; a hit is dequantized into
   the request's fresh fp32 active slot at the first KDA layer of its next extend, together with
-  the other hits of that forward, in one launch (``deferred_restore.py``; SGLang's own deferred
-  copy only knows same-pool copies). A restored state continues in full precision and is never
-  requantized.
+  the other hits of that forward, in one launch (:mod:`sglang_k3.state.deferred_restore`;
+  SGLang's own deferred copy only knows same-pool copies). A restored state continues in full
+  precision and is never requantized.
 
-Both give the cache the same verbs: ``capture_active`` (fork the running request's state at a
-boundary), ``donate`` (a finished request's state), ``capture_export`` (a chunk-boundary state
-the extend exported), ``restore`` (copy-on-write into a request), ``free``.
+Neither touches SGLang's request objects: ``restore`` returns what SGLang's own copy mechanism
+should read, and the cache writes the request.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from sglang_k3.config import CHECKPOINT_DTYPES
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_pool import CheckpointPool
-from sglang_k3.state.deferred_restore import RESTORES
-from sglang_k3.state.export_stash import STASH, SeqExport
-
-CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
+from sglang_k3.state.export_stash import ExportView
+from sglang_k3.state.forward_state import ForwardState
 
 
 class NativeSlotStore:
-    uses_mamba_slots = True
-    dtype = "fp32"
+    """fp32 checkpoints as slots of SGLang's mamba pool."""
 
-    def __init__(self, slots: SlotPool):
+    dtype = "fp32"
+    shares_active_slots = True
+    batches_stores = False
+
+    def __init__(self, slots: SlotPool, fwd: ForwardState):
         self.slots = slots
+        self.fwd = fwd
         self.slot_bytes = slots.slot_bytes
 
     def alloc(self) -> Optional[int]:
         return self.slots.alloc()
 
-    def free(self, handles: list[int]) -> None:
-        self.slots.free(handles)
+    def free(self, handles: Sequence[int]) -> None:
+        self.slots.free(list(handles))
+
+    def release_active(self, active_slot: int) -> None:
+        self.slots.free([active_slot])
 
     def capture_active(self, active_slot: int) -> Optional[int]:
         dst = self.slots.alloc()
@@ -50,46 +56,57 @@ class NativeSlotStore:
         return dst
 
     def donate(self, active_slot: int) -> Optional[int]:
-        """The handle now owning ``active_slot``'s state: the slot itself (the caller must stop
-        using it)."""
+        """The slot itself now holds the checkpoint (the caller stops using it as active)."""
         return active_slot
 
-    def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
-        if len(STASH.layers) != len(self.slots.rtp.mamba_map) or STASH.row(seq, pos) is None:
-            return None  # not every KDA layer recorded this forward, or that state was not kept
+    def capture_export(self, source: ExportView, pos: int) -> Optional[int]:
         dst = self.slots.alloc()
-        if dst is not None and not STASH.store(seq, pos, dst, self.slots.rtp):
-            self.slots.free([dst])  # defensive (row() said it was kept): never keep a blank slot
+        if dst is not None and not source.stash.store(source.seq, pos, dst, self.slots.rtp):
+            self.slots.free([dst])  # not kept after all: never keep a blank slot
             return None
         return dst
 
-    def restore(self, handle: int, req) -> None:
-        """Deferred copy-on-write: SGLang copies ``handle`` into the request's slot before the
-        KDA layers of its next forward."""
-        req.kv.mamba_cow_src_index = self.slots.index_tensor(handle)
-        req.kv.mamba_needs_clear = False
+    def store_many(self, active_slots: Sequence[int], handles: Sequence[int]) -> list[bool]:
+        for a, h in zip(active_slots, handles):
+            self.slots.copy(a, h)
+        return [True] * len(handles)
+
+    def restore(self, handle: int, rid: str, active_slot: int) -> Optional[int]:
+        """SGLang copies ``handle`` into the request's slot before the KDA layers of its next
+        forward (``mamba_cow_src_index``)."""
+        return handle
+
+    def cancel_restore(self, rid: str) -> None:
+        """SGLang's own copy is dropped with the request; nothing is pending here."""
+
+    def stats(self) -> dict[str, int]:
+        return {"export_ahead_stored": 0, "export_ahead_unclaimed": 0}  # exports are stored one by one
 
 
 class QuantizedStore:
-    uses_mamba_slots = False
+    """int8/bf16 checkpoints in a checkpoint pool of their own."""
 
-    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], int]):
+    shares_active_slots = False
+    batches_stores = True
+
+    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], object],
+                 fwd: ForwardState):
         self.slots = slots
         self.dtype = dtype
+        self.fwd = fwd
         self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
-        # a hit is dequantized by RESTORES.flush() at the next extend forward, batched with the
+        # a hit is dequantized by fwd.restores.flush() at the next extend forward, batched with the
         # other hits of that forward (the cache keeps the pin until after it)
-        RESTORES.bind(self.pool)
+        fwd.restores.bind(self.pool)
         # exported states stored ahead for the current forward: stash row -> checkpoint slot
         self._ahead: dict[int, int] = {}
         self._ahead_generation = -1
         self.ahead_stored = 0  # slots stored ahead, lifetime
         self.ahead_unclaimed = 0  # of those, released unclaimed
-        STASH.on_clear(self._release_ahead)
+        fwd.stash.on_clear(self._release_ahead)
         self.slot_bytes = self.pool.bytes_per_slot
         self._evict_bytes = evict_bytes
-        # model layer id -> pool layer index (the order of the mamba pool's layer axis)
-        self._pool_layer = dict(slots.rtp.mamba_map)
+        self._mamba_map = dict(slots.rtp.mamba_map)  # model layer id -> pool layer index
 
     def alloc(self) -> Optional[int]:
         got = self.pool.alloc(1)
@@ -98,53 +115,44 @@ class QuantizedStore:
             got = self.pool.alloc(1)
         return None if got is None else got[0]
 
-    def free(self, handles: list[int]) -> None:
+    def free(self, handles: Sequence[int]) -> None:
         if handles:
-            self.pool.decref(handles)
+            self.pool.decref(list(handles))
+
+    def release_active(self, active_slot: int) -> None:
+        self.slots.free([active_slot])
+
+    def store_many(self, active_slots: Sequence[int], handles: Sequence[int]) -> list[bool]:
+        """Quantize in one launch; a non-finite state is refused (its slot released)."""
+        return list(self.pool.store(list(active_slots), list(handles)).accepted)
 
     def capture_active(self, active_slot: int) -> Optional[int]:
         dst = self.alloc()
         if dst is None:
             return None
-        res = self.pool.store([active_slot], [dst])
-        return dst if res.all_ok else None  # a non-finite state is refused (slot released)
+        return dst if self.store_many([active_slot], [dst])[0] else None
 
-    donate = capture_active  # a quantized checkpoint cannot take over an fp32 slot: store it
+    # a quantized checkpoint cannot take over an fp32 slot: store it (the cache then releases it)
+    donate = capture_active
 
-    def capture_export(self, seq: SeqExport, pos: int) -> Optional[int]:
-        if len(STASH.layers) != self.pool.L:
-            return None  # not every KDA layer recorded this forward: no complete state
-        j = STASH.row(seq, pos)
-        if j is None:
-            return None  # the forward did not keep that state
-        stack = STASH.stacked()
-        if stack is not None and [self._pool_layer[lid] for lid in STASH.layers] == list(range(self.pool.L)):
-            # Every kept row of this forward is stored at the first request's call, all rows and
-            # all layers in one launch (one refusal-flag sync); each request then claims its own.
-            if self._ahead_generation != STASH.generation:
-                self._store_forward_ahead(stack)
-            return self._ahead.pop(j, None)
-        dst = self.alloc()
-        if dst is None:
+    def capture_export(self, source: ExportView, pos: int) -> Optional[int]:
+        """Every kept row of this forward is stored at the first request's call, all rows and all
+        layers in one launch (one refusal-flag sync); each request then claims its own."""
+        stash = source.stash
+        j = stash.row(source.seq, pos)
+        stack = stash.stacked()
+        if j is None or stack is None:
             return None
-        for layer_id, rows in STASH.layers.items():
-            # The stash's compact rows: state j is h row j; its conv window is conv row j, i.e.
-            # the `width` rows of the flattened [n*width, D] stream ending at (j+1)*width.
-            width = rows.conv.shape[1]
-            res = self.pool.store_from_intermediate(
-                self._pool_layer[layer_id], rows.h, [j], [dst], state_v_first=True,
-                conv_src=rows.conv.reshape(-1, rows.conv.shape[-1]), token_ends=[(j + 1) * width],
-            )
-            if not res.all_ok:
-                return None  # refused and released by the pool
-        return dst
+        if self._ahead_generation != stash.generation:
+            self._store_forward_ahead(stash, stack)
+        return self._ahead.pop(j, None)
 
-    def _store_forward_ahead(self, stack) -> None:
+    def _store_forward_ahead(self, stash, stack) -> None:
         """Store all of this forward's kept rows into fresh checkpoint slots, in one call. A row
         that gets no slot (the pool is full of pinned checkpoints) or is refused (non-finite) is
         simply not available, as a failed single store would be."""
         self._release_ahead()
-        self._ahead_generation = STASH.generation
+        self._ahead_generation = stash.generation
         n, width, d = stack.conv.shape[1:]
         rows, slots = [], []
         for r in range(n):
@@ -155,6 +163,9 @@ class QuantizedStore:
             slots.append(dst)
         if not slots:
             return
+        layers = stash.pool_layers(self._mamba_map)
+        if layers != list(range(self.pool.L)):
+            raise RuntimeError(f"KDA layers ran in pool order {layers}, expected 0..{self.pool.L - 1}")
         res = self.pool.store_from_intermediate(
             range(self.pool.L), stack.h, rows, slots, state_v_first=True,
             conv_src=stack.conv.reshape(self.pool.L, n * width, d), token_ends=[(r + 1) * width for r in rows],
@@ -170,20 +181,25 @@ class QuantizedStore:
             self.pool.decref(list(self._ahead.values()))
         self._ahead = {}
 
-    def restore(self, handle: int, req) -> None:
-        """Deferred copy-on-write into the request's fresh fp32 slot: at the first KDA layer of its
-        next extend, batched with the forward's other hits (``deferred_restore.py``)."""
-        RESTORES.add(req.rid, handle, int(req.kv.mamba_pool_idx))
-        req.kv.mamba_cow_src_index = None  # not upstream's COW: its copy knows only the mamba pool
-        req.kv.mamba_needs_clear = False
+    def restore(self, handle: int, rid: str, active_slot: int) -> Optional[int]:
+        """Deferred: at the first KDA layer of the request's next extend, batched with the
+        forward's other hits. SGLang's own copy is not used (it knows only the mamba pool)."""
+        self.fwd.restores.add(rid, handle, active_slot)
+        return None
+
+    def cancel_restore(self, rid: str) -> None:
+        self.fwd.restores.drop(rid)
+
+    def stats(self) -> dict[str, int]:
+        return {"export_ahead_stored": self.ahead_stored, "export_ahead_unclaimed": self.ahead_unclaimed}
 
 
-def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], int]):
+def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], object], fwd: ForwardState):
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     if dtype == "fp32":
         if slots.pool.mamba_cache.temporal.dtype != torch.float32:
             raise ValueError("--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, "
                              "whose recurrent state is not fp32 here")
-        return NativeSlotStore(slots)
-    return QuantizedStore(slots, dtype, num_slots, evict_bytes)
+        return NativeSlotStore(slots, fwd)
+    return QuantizedStore(slots, dtype, num_slots, evict_bytes, fwd)

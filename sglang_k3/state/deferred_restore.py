@@ -9,8 +9,9 @@ own copy-on-write for a batch once, on the forward stream, before the mamba laye
 next extend forward (``patches/kda_backend_forward_extend.py``) calls :meth:`flush`, which restores
 every pending hit in one ``gather_dequant`` launch, before that layer reads the pool.
 
-The checkpoint slot stays pinned in the tree until the request's next ``cache_unfinished_req`` (the
-cache's rule for deferred copies), so it cannot be evicted or reused before the flush. A request
+One per cache (it owns it: :mod:`sglang_k3.state.forward_state`). The checkpoint slot stays
+pinned in the tree until the request's next ``checkpoint`` (the cache's rule for deferred
+copies), so it cannot be evicted or reused before the flush. A request
 that is matched again, released or aborted before its forward drops its entry (:meth:`drop`).
 A pending entry is keyed by request id, and an active slot is owned by one live request, so a
 flush never writes a slot another request owns.
@@ -56,5 +57,3 @@ class DeferredRestores:
         self.restored += len(ckpt)
         return len(ckpt)
 
-
-RESTORES = DeferredRestores()

@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 import contextvars
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-# (model layer id, raw pre-conv mixed_qkv rows) of the KDA extend in progress, else None.
-CURRENT_EXTEND: contextvars.ContextVar[Optional[tuple[int, torch.Tensor]]] = contextvars.ContextVar(
+from sglang_k3.state.export_stash import ExportStash
+
+
+class CurrentExtend(NamedTuple):
+    layer_id: int  # the model's layer id of the KDA layer running
+    mixed_qkv: torch.Tensor  # its raw pre-conv rows
+    stash: ExportStash  # where the kernel hook hands the layer's chunk-boundary states
+
+
+CURRENT_EXTEND: contextvars.ContextVar[Optional[CurrentExtend]] = contextvars.ContextVar(
     "sglang_k3_current_extend", default=None
 )

@@ -28,9 +28,12 @@ are shown in the cache's stats (``/server_info`` -> ``internal_states[i].k3_cach
 Without a planner or without request ids for the forward (``forward_batch.rids`` is None), the
 stash keeps the last grid point of each sequence only (the prompt-end candidate, the common hit).
 
-The stash holds one forward only: it is cleared when the next extend forward begins. That is
-enough because the cache stores right after the forward (``cache_unfinished_req`` in the same
-scheduler step): the k3 cache runs under ``--mamba-radix-cache-strategy no_buffer``, which
+The stash holds one forward only. Its rows are dropped as soon as every sequence that has kept
+rows has been checkpointed (:meth:`ExportStash.consume`: normally in the same scheduler step; a
+chunked request's chunk is checkpointed at the start of the next step), and at the latest when the
+next extend forward begins (a request aborted in between). That is enough because the cache
+stores right after the forward, before any other extend: the k3 cache runs under
+``--mamba-radix-cache-strategy no_buffer``, which
 upstream only allows with the overlap schedule off, so no second forward starts in between. A lookup
 checks the sequence's extent, and a position that was not planned is "not available" (``None``):
 the cache then does not store it. A state is never stored under a boundary it was not computed for.
@@ -87,6 +90,7 @@ class ExportStash:
         # Recorded KDA layers of this forward: model layer id -> kept rows, None if none planned.
         self.layers: dict[int, Optional[LayerRows]] = {}
         self._rows: dict[tuple[int, int], int] = {}  # (slot, pos) -> row j of every layer's rows
+        self._unconsumed: set[int] = set()  # slots with kept rows whose request has not checkpointed
         self._chunk_idx: list[int] = []  # row j -> index into h flattened to [B*NT, ...]
         self._token_rows: list[int] = []  # row j -> its `width` rows of mixed_qkv, flattened
         self._dev_idx: Optional[tuple[torch.device, torch.Tensor, torch.Tensor]] = None
@@ -94,23 +98,24 @@ class ExportStash:
         self._exported = 0  # bytes of the full h and mixed_qkv handed over this forward
         self.peak_bytes = 0
         self.peak_exported_bytes = 0
+        self.last_kept_bytes = 0  # what the most recent forward that kept rows kept
         self.generation = 0  # bumped by every clear: identifies one forward's rows
         self._clear_hooks: list[weakref.WeakMethod] = []
 
     # ------------------------------------------------------------------ configuration
-    def enable(self, planner: Optional[Planner], conv_width: int, num_layers: Optional[int] = None) -> None:
+    def enable(self, planner: Optional[Planner], conv_width: int, num_layers: int) -> None:
         """Turn recording on. ``conv_width`` is the conv state's row count (``K-1``: the mamba
-        pool's ``conv.shape[-2]``); ``planner`` picks, per request, the positions to keep.
-        ``num_layers`` (the model's KDA layer count), when given, makes the kept rows of one
-        forward one stacked tensor per kind (``[num_layers, n, ...]``), so that a checkpoint is
-        stored for all layers in one launch (:meth:`stacked`)."""
+        pool's ``conv.shape[-2]``); ``planner`` picks, per request, the positions to keep;
+        ``num_layers`` is the model's KDA layer count: the kept rows of one forward are one
+        stacked tensor per kind (``[num_layers, n, ...]``), so that a checkpoint is stored for
+        all layers in one launch (:meth:`stacked`)."""
         if not 0 < conv_width <= CHUNK:
             raise ValueError(f"conv width {conv_width} must be in (0, {CHUNK}]")
-        if num_layers is not None and num_layers <= 0:
+        if num_layers <= 0:
             raise ValueError(f"num_layers {num_layers} must be positive")
         self.planner = planner
         self.conv_width = int(conv_width)
-        self.num_layers = None if num_layers is None else int(num_layers)
+        self.num_layers = int(num_layers)
         self.enabled = True
 
     # ------------------------------------------------------------------ recording
@@ -145,6 +150,8 @@ class ExportStash:
         else:
             wanted = set(self.planner(seq.rid, seq)) & set(grid)
         width = self.conv_width
+        if wanted:
+            self._unconsumed.add(seq.slot)
         for pos in sorted(wanted):
             r = pos - seq.prefix
             self._rows[(seq.slot, pos)] = len(self._chunk_idx)
@@ -171,28 +178,27 @@ class ExportStash:
         hflat = h.reshape((-1,) + tuple(h.shape[-3:]))
         src = mixed_qkv.reshape(-1, mixed_qkv.shape[-1])
         i = len(self.layers)  # this layer's place in the stack: the order layers run in
-        if self.num_layers is not None and i < self.num_layers:
-            if self._stack is None:
-                self._stack = LayerRows(
-                    torch.empty((self.num_layers, n) + tuple(hflat.shape[1:]), dtype=h.dtype, device=h.device),
-                    torch.empty((self.num_layers, n, self.conv_width, src.shape[-1]), dtype=src.dtype,
-                                device=src.device),
-                )
-                self._held += sum(t.numel() * t.element_size() for t in self._stack)
-            h_rows, conv_rows = self._stack.h[i], self._stack.conv[i]
-            torch.index_select(hflat, 0, ci, out=h_rows)
-            torch.index_select(src, 0, ti, out=conv_rows.view(n * self.conv_width, src.shape[-1]))
-        else:  # no layer count given (or more layers than it said): one tensor pair per layer
-            h_rows = hflat.index_select(0, ci)
-            conv_rows = src.index_select(0, ti).view(n, self.conv_width, src.shape[-1])
-            self._held += h_rows.numel() * h_rows.element_size() + conv_rows.numel() * conv_rows.element_size()
+        if self.num_layers is None or i >= self.num_layers:
+            raise RuntimeError(f"KDA layer {layer_id} is layer {i + 1} of a forward; the stash was "
+                               f"enabled for {self.num_layers}")
+        if self._stack is None:
+            self._stack = LayerRows(
+                torch.empty((self.num_layers, n) + tuple(hflat.shape[1:]), dtype=h.dtype, device=h.device),
+                torch.empty((self.num_layers, n, self.conv_width, src.shape[-1]), dtype=src.dtype,
+                            device=src.device),
+            )
+            self._held += sum(t.numel() * t.element_size() for t in self._stack)
+        h_rows, conv_rows = self._stack.h[i], self._stack.conv[i]
+        torch.index_select(hflat, 0, ci, out=h_rows)
+        torch.index_select(src, 0, ti, out=conv_rows.view(n * self.conv_width, src.shape[-1]))
         self.layers[layer_id] = LayerRows(h_rows, conv_rows)
         self.peak_bytes = max(self.peak_bytes, self._held)
+        self.last_kept_bytes = self._held
 
     def stacked(self) -> Optional[LayerRows]:
         """All layers' kept rows as ``[num_layers, n, ...]`` tensors, in the order the layers ran
         (``list(self.layers)``), once every one of the ``num_layers`` layers is recorded; else
-        None (use the per-layer :class:`LayerRows`)."""
+        None (no complete state: nothing may be stored from this forward)."""
         if self._stack is None or len(self.layers) != self.num_layers:
             return None
         return self._stack
@@ -210,35 +216,38 @@ class ExportStash:
         if self.seqs.get(seq.slot) is not seq:
             return None
         j = self._rows.get((seq.slot, pos))
-        if j is None or not self.layers or any(rows is None for rows in self.layers.values()):
+        if j is None or self.stacked() is None:
             return None
         return j
 
     def store(self, seq: SeqExport, pos: int, dst_slot: int, req_to_token_pool) -> bool:
         """Write the state after absolute position ``pos`` of ``seq`` into mamba slot ``dst_slot``
-        for every recorded KDA layer (recurrent from ``h``, conv from the pre-conv rows), in the
-        pool's dtype. False, writing nothing, if that state was not kept."""
+        for every KDA layer (recurrent from ``h``, conv from the pre-conv rows), in the pool's
+        dtype: two copies for all layers. False, writing nothing, if that state was not kept."""
         j = self.row(seq, pos)
         if j is None:
             return False
-        stack = self.stacked()
-        pool_of = getattr(req_to_token_pool, "mamba_map", None)
-        if stack is not None and pool_of is not None and \
-                [pool_of.get(lid) for lid in self.layers] == list(range(len(self.layers))):
-            # the stack's layer axis is the pool's: two copies for all layers
-            cache = req_to_token_pool.mamba_pool.mamba_cache
-            if cache.temporal.shape[0] == len(self.layers):
-                assert cache.conv[0].shape[-2] == stack.conv.shape[2], (cache.conv[0].shape, stack.conv.shape)
-                cache.temporal[:, dst_slot] = stack.h[:, j].to(cache.temporal.dtype)
-                cache.conv[0][:, dst_slot] = stack.conv[:, j].to(cache.conv[0].dtype)
-                return True
-        for layer_id, rows in self.layers.items():
-            cache = req_to_token_pool.mamba2_layer_cache(layer_id)
-            temporal, conv = cache.temporal, cache.conv[0]
-            assert conv.shape[-2] == rows.conv.shape[1], (conv.shape, rows.conv.shape)
-            temporal[dst_slot] = rows.h[j].to(temporal.dtype)
-            conv[dst_slot] = rows.conv[j].to(conv.dtype)
+        stack = self._stack
+        cache = req_to_token_pool.mamba_pool.mamba_cache
+        assert cache.conv[0].shape[-2] == stack.conv.shape[2], (cache.conv[0].shape, stack.conv.shape)
+        layers = self.pool_layers(req_to_token_pool.mamba_map)
+        cache.temporal[layers, dst_slot] = stack.h[:, j].to(cache.temporal.dtype)
+        cache.conv[0][layers, dst_slot] = stack.conv[:, j].to(cache.conv[0].dtype)
         return True
+
+    def pool_layers(self, mamba_map: dict) -> list[int]:
+        """The state pool's layer index of each stacked layer (``mamba_map``: model layer id ->
+        pool layer index)."""
+        return [mamba_map[lid] for lid in self.layers]
+
+    def consume(self, slot: int) -> None:
+        """The request in ``slot`` has checkpointed after this forward (it stored what it wanted,
+        or nothing). Once every sequence with kept rows has, the rows are dropped at once rather
+        than held until the next extend: a chunked request's rows stay until its chunk is
+        checkpointed at the start of the next scheduler step."""
+        self._unconsumed.discard(slot)
+        if not self._unconsumed and self._held:
+            self.clear()
 
     def stash_bytes(self) -> int:
         """Bytes of the rows held now (the full exported tensors are never held)."""
@@ -262,6 +271,7 @@ class ExportStash:
         self.seqs = {}
         self.layers = {}
         self._rows = {}
+        self._unconsumed = set()
         self._chunk_idx = []
         self._token_rows = []
         self._dev_idx = None
@@ -270,4 +280,15 @@ class ExportStash:
         self._exported = 0
 
 
-STASH = ExportStash()
+class ExportView:
+    """One sequence's exports of the current forward, as the cache's lifecycle sees them
+    (:class:`sglang_k3.cache.lifecycle.ExportSource`)."""
+
+    def __init__(self, stash: ExportStash, seq: SeqExport) -> None:
+        self.stash, self.seq = stash, seq
+
+    def grid(self) -> list[int]:
+        return self.seq.grid()
+
+    def kept(self, pos: int) -> bool:
+        return self.stash.row(self.seq, pos) is not None

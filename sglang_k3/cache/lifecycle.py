@@ -1,0 +1,416 @@
+"""One request's life in the k3 cache, shared by the server and the trace replay.
+
+The server's cache (:mod:`sglang_k3.integration.k3_cache`) translates SGLang's calls into these
+verbs; the replay's ``k3`` policy (``benchmarks/policies/k3.py``) calls the same verbs in simulated
+time. Both build this object with :func:`build_lifecycle` from the same
+:class:`~sglang_k3.config.K3Config`, so what the replay measures is what the server runs.
+
+The life of one request, in the order the verbs are called::
+
+    match(admit=True)      find the branch point, two-phase lookup, pin the hit (invariant 1)
+    store.restore          (host) copy-on-write of the hit into the request's private slot
+    release_pin            the copy has landed (the request's first forward ran)
+    insert                 the request's KV joins the tree (chunk end, prompt end, decode, finish)
+    store_exports          keep chunk-boundary states the extend exported (prompt end, branch point)
+    checkpoint_running     fork the live state at a chunk end / prompt end / decode interval
+    finish                 donate (or store) the final state at the generation end
+    release                forget the request's match-time data
+
+Everything here is ints and handles: no torch. State memory is reached only through a
+:class:`CheckpointStore` (the fp32 mamba-slot store, the quantized checkpoint pool, the replay's
+simulated pool; a host-memory store would be one more), KV frees through a callback.
+
+Ready flags (invariant 2): a checkpoint enters the tree not ready and is marked ready when its
+write has been issued (``_land``). Stores run at once, or, inside a store scope
+(:meth:`begin_store_scope`, one per scheduler step) with a store that batches, are queued as
+:class:`QueuedStore` records and run in one call when the scope closes (:meth:`flush_stores`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+from sglang_k3.cache.eviction import EvictionPolicy
+from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
+from sglang_k3.cache.placement import PlacementPolicy
+from sglang_k3.cache.results import Freed, FreeKV, InsertResult, MatchResult, Pin, ReleaseCheckpoint
+from sglang_k3.cache.tree import K3RadixTree
+
+
+class CheckpointStore(Protocol):
+    """Where checkpoints live. Handles are ints the tree holds read-only; active slots are the
+    requests' private, writable states. Every method takes and returns ints (no tensors)."""
+
+    dtype: str  # "int8" | "bf16" | "fp32" | ...
+    slot_bytes: int  # bytes one checkpoint holds (what the tree and its eviction account)
+    shares_active_slots: bool  # checkpoints are slots of the active-state pool (fp32 store)
+    batches_stores: bool  # stores may be queued and run in one call (alloc + store_many)
+
+    def alloc(self) -> Optional[int]:
+        """A fresh checkpoint handle (evicting through the cache if full), or None."""
+
+    def capture_active(self, active_slot: int) -> Optional[int]:
+        """Fork a running request's state: a new checkpoint holding a copy of it."""
+
+    def donate(self, active_slot: int) -> Optional[int]:
+        """A finished request's state becomes a checkpoint. A store that shares active slots
+        returns ``active_slot`` itself (ownership moves, no copy); others copy into a new handle
+        and leave the active slot to :meth:`release_active`."""
+
+    def capture_export(self, source: "ExportSource", pos: int) -> Optional[int]:
+        """A chunk-boundary state the extend exported (``source.kept(pos)`` is true)."""
+
+    def store_many(self, active_slots: Sequence[int], handles: Sequence[int]) -> list[bool]:
+        """Write each active slot into its allocated handle, in one call; False where refused
+        (the store released that handle)."""
+
+    def restore(self, handle: int, rid: str, active_slot: int) -> Optional[int]:
+        """Copy-on-write of ``handle`` into the request's private ``active_slot``, deferred to the
+        request's next forward. Returns the handle for the host's own copy mechanism to use
+        (SGLang's ``mamba_cow_src_index``), or None when the store runs the copy itself."""
+
+    def cancel_restore(self, rid: str) -> None:
+        """Forget a deferred restore of ``rid`` that has not run (re-match, abort, release)."""
+
+    def release_active(self, active_slot: int) -> None:
+        """Give a request's active slot back to its pool."""
+
+    def free(self, handles: Sequence[int]) -> None:
+        """The tree let go of these checkpoints."""
+
+    def stats(self) -> dict[str, int]:
+        """The store's own counters (merged into the cache's stats)."""
+
+
+class ExportSource(Protocol):
+    """The states one extend exported for one sequence (host-specific; opaque to the tree)."""
+
+    def grid(self) -> list[int]:
+        """Absolute positions with an exported state, ascending."""
+
+    def kept(self, pos: int) -> bool:
+        """Whether the state after ``pos`` was kept (only planned rows are)."""
+
+
+@dataclass
+class RequestRecord:
+    """What the cache remembers of one admitted request between its match and its release."""
+
+    rid: str
+    prompt_len: Optional[int]
+    is_done: Callable[[], bool]  # the host's view: a request aborted while waiting is done
+    branch_point: Optional[int] = None
+    pin: Optional[Pin] = None  # held until the request's copy-on-write has landed
+
+
+@dataclass
+class QueuedStore:
+    """A checkpoint whose store waits for the end of the step: in the tree, not ready."""
+
+    node: Node
+    checkpoint: Checkpoint
+    active_slot: int
+    handle: int
+    release_active: bool  # the request finished: its active slot goes back after the store
+
+
+def _never_done() -> bool:
+    return False
+
+
+@dataclass
+class LifecycleCounters:
+    store_flushes: int = 0  # flush_stores calls that stored something
+    stores_flushed: int = 0  # checkpoints stored by them
+
+
+class CacheLifecycle:
+    def __init__(
+        self,
+        tree: K3RadixTree,
+        placement: PlacementPolicy,
+        store: CheckpointStore,
+        free_kv: Callable[[list[int]], None],
+    ) -> None:
+        self.tree = tree
+        self.placement = placement
+        self.store = store
+        self._free_kv = free_kv
+        self.requests: dict[str, RequestRecord] = {}
+        self._prune_at = 64
+        self._store_scope = 0
+        self._queue: list[QueuedStore] = []
+        self.counters = LifecycleCounters()
+
+    # ------------------------------------------------------------------ match
+    def match(self, rid: Optional[str], tokens: Sequence[int], *, admit: bool,
+              prompt_len: Optional[int] = None, is_done: Callable[[], bool] = _never_done) -> MatchResult:
+        """Look ``tokens`` up. With ``admit`` (the request is about to be scheduled and will copy
+        the hit) the request is recorded, its branch point found and the hit pinned; a re-match
+        replaces the previous record's pin. Without it, a read-only lookup (sorting, probing)."""
+        if admit and rid is not None:
+            rec = self.requests.get(rid)
+            if rec is not None:
+                self.release_pin(rid)
+            rec = RequestRecord(rid, prompt_len, is_done)
+            self.requests[rid] = rec
+            if len(self.requests) > self._prune_at:  # amortized: O(1) per match
+                self.forget_done()
+                self._prune_at = 2 * len(self.requests) + 64
+            if self.placement.at_branch_points:
+                rec.branch_point = self.tree.find_branch_point(tokens) or None
+        res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
+        if res.pin is not None:
+            self.requests[rid].pin = res.pin  # type: ignore[index]
+        return res
+
+    def release_pin(self, rid: str) -> None:
+        """The request's copy-on-write has landed (or will never run): its checkpoint may go."""
+        self.store.cancel_restore(rid)  # a restore not run by now is not wanted any more
+        rec = self.requests.get(rid)
+        if rec is not None and rec.pin is not None:
+            pin, rec.pin = rec.pin, None
+            self.tree.release_pin(pin)
+
+    def release(self, rid: str) -> None:
+        """The request is gone: drop its pin and match-time data."""
+        self.release_pin(rid)
+        self.requests.pop(rid, None)
+
+    def forget_done(self) -> int:
+        """Release requests the host reports done that never reached :meth:`release` (a request
+        aborted while waiting). Call between scheduler steps only, never while a finishing
+        request is being checkpointed. Returns how many were forgotten."""
+        done = [rid for rid, rec in self.requests.items() if rec.is_done()]
+        for rid in done:
+            self.release(rid)
+        return len(done)
+
+    def _release_done_pins(self) -> None:
+        """Before evicting: pins of done requests are dropped so their checkpoints may go (the
+        records stay until :meth:`forget_done`, since a finishing request may still be
+        checkpointed in this step)."""
+        for rid, rec in list(self.requests.items()):
+            if rec.pin is not None and rec.is_done():
+                self.release_pin(rid)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens: Sequence[int], kv: Sequence[int]) -> InsertResult:
+        """Insert a request's KV; indices the tree already held under other slots are freed."""
+        ins = self.tree.insert(tokens, kv)
+        if ins.duplicate_kv:
+            self._free_kv(ins.duplicate_kv)
+        return ins
+
+    # ------------------------------------------------------------------ checkpoints while running
+    def export_plan(self, rid: Optional[str], grid: Sequence[int], end: int) -> list[int]:
+        """Which exported grid positions of ``rid``'s extend the cache may store (asked when the
+        forward begins, so only those rows are kept)."""
+        rec = self.requests.get(rid) if rid is not None else None
+        return list(self.placement.export_candidates(
+            grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None))
+
+    def store_exports(self, rid: str, node: Node, end: int, source: ExportSource) -> None:
+        """Keep the exported states :meth:`export_plan` wanted: the last grid point before the
+        prompt end (a repeated or contained prompt still hits) and the one at or below the
+        branch point (requests sharing only that prefix hit)."""
+        rec = self.requests.get(rid)
+        wanted = self.placement.export_candidates(
+            source.grid(), end, rec.prompt_len if rec else None, rec.branch_point if rec else None)
+        for pos, kind in sorted(wanted.items()):
+            if self.has_checkpoint_at(node, pos) or not source.kept(pos):
+                continue
+            handle = self._pinned(node, self.store.capture_export, source, pos)
+            if handle is None:
+                return  # no memory for it now
+            self._register(node, pos, handle, kind)
+
+    def running_kind(self, rid: str, up_to: int) -> Optional[CheckpointKind]:
+        rec = self.requests.get(rid)
+        prompt_len = rec.prompt_len if rec is not None and rec.prompt_len is not None else up_to
+        if up_to >= prompt_len:
+            return CheckpointKind.PROMPT_END if self.placement.at_prompt_end else None
+        return CheckpointKind.CHUNK if self.placement.at_chunk_end else None
+
+    def checkpoint_running(self, rid: str, node: Node, up_to: int, active_slot: int,
+                           kind: Optional[CheckpointKind] = None) -> None:
+        """Fork the running request's state at ``up_to`` (its KV is inserted up to ``node``)."""
+        kind = kind or self.running_kind(rid, up_to)
+        if kind is None or self.has_checkpoint_at(node, up_to):
+            return
+        if self._queues_stores():
+            self._queue_store(node, up_to, kind, active_slot, release_active=False)
+            return
+        handle = self._pinned(node, self.store.capture_active, active_slot)
+        if handle is None:
+            return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
+        self._register(node, up_to, handle, kind)
+
+    def decode_due(self, seq_len: int) -> bool:
+        return self.placement.decode_checkpoint(seq_len)
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, node: Node, up_to: int, state_len: int, active_slot: int) -> None:
+        """The request finished with its KV inserted up to ``node`` (``up_to`` tokens) and its
+        active slot holding the state after ``state_len`` tokens. The slot is consumed: donated
+        to the tree, queued for a store that releases it, or released."""
+        donate = (
+            self.placement.at_generation_end
+            and up_to == state_len  # the slot's state is exactly at up_to
+            and not self.has_checkpoint_at(node, up_to)
+        )
+        if not donate:
+            self.store.release_active(active_slot)
+            return
+        if self._queues_stores():
+            self._queue_store(node, up_to, CheckpointKind.GEN_END, active_slot, release_active=True)
+            return
+        handle = self._pinned(node, self.store.donate, active_slot)
+        if handle != active_slot or not self.store.shares_active_slots:
+            self.store.release_active(active_slot)
+        if handle is not None:
+            self._register(node, up_to, handle, CheckpointKind.GEN_END)
+
+    # ------------------------------------------------------------------ one store call per step
+    def begin_store_scope(self) -> None:
+        self._store_scope += 1
+
+    def end_store_scope(self) -> None:
+        self._store_scope -= 1
+        if self._store_scope == 0:
+            self.flush_stores()
+
+    def _queues_stores(self) -> bool:
+        return self._store_scope > 0 and self.store.batches_stores
+
+    def _queue_store(self, node: Node, pos: int, kind: CheckpointKind, active: int, release_active: bool) -> None:
+        handle = self._pinned(node, self.store.alloc)
+        ck = None if handle is None else self._add_pending(node, pos, handle, kind)
+        if ck is None:  # no memory for it now, or the boundary is already there
+            if release_active:
+                self.store.release_active(active)
+            return
+        self._queue.append(QueuedStore(node, ck, active, handle, release_active))  # type: ignore[arg-type]
+
+    def flush_stores(self) -> int:
+        """Run the queued stores in one call; a refused (non-finite) state's checkpoint leaves the
+        tree. Returns how many were queued."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return 0
+        accepted = self.store.store_many([q.active_slot for q in queue], [q.handle for q in queue])
+        self.counters.store_flushes += 1
+        for q, ok in zip(queue, accepted):
+            if ok:
+                self.counters.stores_flushed += 1
+                self._land(q.node, q.checkpoint)
+            else:
+                self.tree.mark_ready(q.checkpoint)  # drop_checkpoint takes landed checkpoints only
+                self.tree.drop_checkpoint(q.checkpoint)  # the store already released the handle
+            if q.release_active:
+                self.store.release_active(q.active_slot)
+        return len(queue)
+
+    # ------------------------------------------------------------------ registering
+    def has_checkpoint_at(self, node: Node, pos: int) -> bool:
+        return any(ck.pos == pos for ck in self.tree.path_checkpoints(node))
+
+    def _pinned(self, node: Node, fn, *args):
+        """Run a storing operation (it may allocate and so evict) with the path locked
+        (invariant 1: pin before allocating)."""
+        self.tree.inc_lock_ref(node)
+        try:
+            return fn(*args)
+        finally:
+            self.tree.dec_lock_ref(node)
+
+    def _register(self, node: Node, pos: int, handle: int, kind: CheckpointKind) -> None:
+        ck = self._add_pending(node, pos, handle, kind)
+        if ck is not None:
+            self._land(node, ck)  # the copy (or donation) has been issued
+
+    def _add_pending(self, node: Node, pos: int, handle: int, kind: CheckpointKind) -> Optional[Checkpoint]:
+        """Put ``handle`` in the tree at ``pos``, not ready yet; None (handle freed) if the tree
+        already has a checkpoint there."""
+        ck = self.tree.add_checkpoint(node, pos, [handle], self.store.slot_bytes, kind=kind, ready=False)
+        if ck is None:
+            self.store.free([handle])
+        return ck
+
+    def _land(self, node: Node, ck: Checkpoint) -> None:
+        """``ck``'s write has been issued: make it matchable and apply the path's budget."""
+        self.tree.mark_ready(ck)
+        attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
+        self._apply(self.tree.recycle_path(node if attached else ck.node, self.placement))
+
+    # ------------------------------------------------------------------ eviction
+    def _apply(self, freed: Freed) -> Freed:
+        """Execute the tree's actions: KV indices back to the KV pool, checkpoint handles back to
+        the store, each kind in one call. (A lower tier would demote an ``EVICTED`` checkpoint
+        here instead of freeing it.)"""
+        kv = [i for a in freed.actions if isinstance(a, FreeKV) for i in a.indices]
+        handles = [h for a in freed.actions if isinstance(a, ReleaseCheckpoint) for h in a.handles]
+        if handles:
+            self.store.free(handles)
+        if kv:
+            self._free_kv(kv)
+        return freed
+
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> Freed:
+        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible."""
+        if num_bytes > 0:
+            self._release_done_pins()
+        return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes))
+
+    def reset(self) -> Freed:
+        """Drop the tree and every request's record. The caller's pools are cleared by the host
+        (SGLang clears its allocators after a flush), so nothing is freed here; the returned
+        :class:`Freed` says what was held."""
+        freed = self.tree.reset()
+        self.requests.clear()
+        self._queue = []  # its checkpoints went with the tree
+        return freed
+
+    def stats(self) -> dict[str, float]:
+        d: dict[str, float] = dict(self.tree.stats.as_dict())
+        d.update(
+            tracked_requests=len(self.requests),
+            checkpoint_count=self.tree.checkpoint_count(),
+            checkpoint_bytes=self.tree.checkpoint_bytes(),
+            kv_tokens=self.tree.total_size(),
+            store_flushes=self.counters.store_flushes,
+            stores_flushed=self.counters.stores_flushed,
+        )
+        d.update(self.store.stats())
+        return d
+
+
+# ---------------------------------------------------------------------- construction
+def placement_from_config(cfg, unit: int = 1) -> PlacementPolicy:
+    """The placement the server runs, in positions of ``unit`` tokens (the server: 1; the replay:
+    its symbol size). ``hit_unit`` is one position: checkpoints sit exactly where the forward left
+    a state (chunk, prompt and generation ends); the kernel's 64-token grid adds more, never fewer."""
+    interval = cfg.decode_checkpoint_interval
+    return PlacementPolicy(
+        hit_unit=1,
+        at_chunk_end=cfg.checkpoint_chunk_end,
+        at_prompt_end=cfg.checkpoint_prompt_end,
+        at_generation_end=cfg.checkpoint_generation_end,
+        at_branch_points=cfg.checkpoint_branch_points,
+        decode_interval=max(1, interval // unit) if interval else None,
+        per_path_budget=cfg.checkpoint_budget or None,
+    )
+
+
+def build_tree(eviction: EvictionPolicy) -> K3RadixTree:
+    """The tree the server runs: one KDA group per TP rank, one-position pages and hit unit, and
+    checkpoints protected by pins only (a running request works on its own private copy, so a
+    lock on its path need not keep the checkpoints on it)."""
+    return K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False)
+
+
+def build_lifecycle(cfg, store: CheckpointStore, eviction: EvictionPolicy,
+                    free_kv: Callable[[list[int]], None], unit: int = 1) -> CacheLifecycle:
+    """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config``."""
+    return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv)
+

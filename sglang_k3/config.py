@@ -1,0 +1,52 @@
+"""The k3 cache's configuration: one object, parsed from ``--k3-*`` flags by ``launch_server`` and
+read back by every SGLang process and by the trace replay.
+
+It sits below every layer (no imports from the package, no torch) so that the tree layer's
+lifecycle (:mod:`sglang_k3.cache.lifecycle`), the server's cache and the replay all build what
+they build from the same object. How it travels: SGLang starts the scheduler in a spawned process
+from ``ServerArgs``, which has no room for extension flags, so ``launch_server`` publishes the
+config in the environment variable ``SGLANG_K3_CONFIG`` (JSON), which child processes inherit;
+:func:`from_env` reads it back (defaults when unset, e.g. under ``sglang.launch_server``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+ENV_CONFIG = "SGLANG_K3_CONFIG"
+CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class K3Config:
+    embedded_model_dir: str | None = None
+    cpu_defaults: bool = True
+    checkpoint_chunk_end: bool = True
+    checkpoint_prompt_end: bool = True
+    checkpoint_generation_end: bool = True
+    checkpoint_branch_points: bool = True
+    checkpoint_budget: int = 8  # checkpoints on one root-to-leaf path; 0: no cap
+    checkpoint_dtype: str = "int8"
+    checkpoint_slots: int = 64  # int8/bf16: the checkpoint pool's size, in checkpoints
+    decode_checkpoint_interval: int = 4096  # tokens; 0: off
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"checkpoint dtype {self.checkpoint_dtype!r}: "
+                             f"choose one of {', '.join(CHECKPOINT_DTYPES)}")
+        for name in ("checkpoint_budget", "decode_checkpoint_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if self.checkpoint_slots < 1:
+            raise ValueError(f"checkpoint_slots must be >= 1 (got {self.checkpoint_slots})")
+
+    def to_env(self) -> None:
+        os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
+
+
+def from_env() -> K3Config:
+    raw = os.environ.get(ENV_CONFIG)
+    if not raw:
+        return K3Config()
+    return K3Config(**json.loads(raw))

@@ -1,0 +1,226 @@
+"""The request lifecycle the server's cache and the replay share (``sglang_k3/cache/lifecycle.py``),
+driven directly with int handles: what each verb puts in the tree, who owns a slot after
+``finish``, the per-step store queue, and what a re-match or an abort releases."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from sglang_k3.cache import CheckpointKind as K
+from sglang_k3.cache import EvictionPolicy
+from sglang_k3.cache.lifecycle import build_lifecycle, placement_from_config
+from sglang_k3.config import K3Config
+
+
+class IntStore:
+    """A checkpoint store over plain ints that records what the lifecycle asked of it (the pool is
+    real in the server tests; here the lifecycle is what is tested). ``shares`` models the fp32
+    store (donation takes the active slot), ``refuse`` makes ``store_many`` refuse handles."""
+
+    dtype = "int8"
+    slot_bytes = 100
+
+    def __init__(self, capacity: int = 100, shares: bool = False, batches: bool = False):
+        self.capacity = capacity
+        self.shares_active_slots = shares
+        self.batches_stores = batches
+        self.live: set[int] = set()
+        self.released_active: list[int] = []
+        self.cancelled: list[str] = []
+        self.refuse: set[int] = set()
+        self._next = 1000
+
+    def alloc(self) -> Optional[int]:
+        if len(self.live) >= self.capacity:
+            return None
+        self._next += 1
+        self.live.add(self._next)
+        return self._next
+
+    def capture_active(self, active_slot):
+        return self.alloc()
+
+    def donate(self, active_slot):
+        if self.shares_active_slots:
+            self.live.add(active_slot)
+            return active_slot
+        return self.alloc()
+
+    def capture_export(self, source, pos):
+        return self.alloc()
+
+    def store_many(self, active_slots, handles):
+        ok = [h not in self.refuse for h in handles]
+        for h, good in zip(handles, ok):
+            if not good:
+                self.live.remove(h)  # a refused store releases its handle
+        return ok
+
+    def restore(self, handle, rid, active_slot):
+        return None
+
+    def cancel_restore(self, rid):
+        self.cancelled.append(rid)
+
+    def release_active(self, active_slot):
+        self.released_active.append(active_slot)
+
+    def free(self, handles):
+        for h in handles:
+            self.live.remove(h)
+
+    def stats(self):
+        return {"live": len(self.live)}
+
+
+def _lc(store=None, **cfg):
+    store = store or IntStore()
+    freed_kv: list[int] = []
+    lc = build_lifecycle(K3Config(**cfg), store, EvictionPolicy(), freed_kv.extend)
+    return lc, store, freed_kv
+
+
+def _positions(lc, node):
+    return [(c.pos, c.kind) for c in lc.tree.path_checkpoints(node)]
+
+
+def test_running_checkpoints_then_finish_donates_to_a_sharing_store():
+    lc, store, _ = _lc(IntStore(shares=True))
+    key = list(range(300))
+    m = lc.match("r", key, admit=True, prompt_len=300)
+    assert m.restore_len == 0 and lc.requests["r"].prompt_len == 300
+    ins = lc.insert(key[:128], range(128))
+    lc.checkpoint_running("r", ins.node, 128, active_slot=7)
+    ins = lc.insert(key, range(300))
+    lc.checkpoint_running("r", ins.node, 300, active_slot=7)
+    # the chunk checkpoint at 128 is superseded by the prompt end: recycled
+    assert _positions(lc, ins.node) == [(300, K.PROMPT_END)]
+    full = key + [900, 901]
+    ins = lc.insert(full, range(302))
+    lc.finish(ins.node, 302, 302, active_slot=7)
+    assert 7 in store.live and store.released_active == []  # donated: the tree owns slot 7
+    assert [p for p, _ in _positions(lc, ins.node)] == [300, 302]
+    lc.release("r")
+    assert lc.requests == {}
+    assert lc.match(None, full + [5], admit=False).restore_len == 302
+    lc.tree.check_invariants()
+
+
+def test_finish_releases_the_slot_when_the_state_is_not_at_the_key_end():
+    lc, store, _ = _lc(IntStore(shares=True))
+    key = list(range(100))
+    lc.match("r", key, admit=True, prompt_len=100)
+    ins = lc.insert(key, range(100))
+    lc.finish(ins.node, 100, 101, active_slot=3)  # the slot is one token further: not this key's
+    assert store.released_active == [3] and 3 not in store.live
+    assert lc.tree.checkpoint_count() == 0
+
+
+def test_finish_with_a_copying_store_releases_the_active_slot():
+    lc, store, _ = _lc(IntStore(shares=False))
+    key = list(range(100))
+    lc.match("r", key, admit=True, prompt_len=100)
+    ins = lc.insert(key, range(100))
+    lc.finish(ins.node, 100, 100, active_slot=3)
+    assert store.released_active == [3] and lc.tree.checkpoint_count() == 1
+
+
+def test_a_rematch_replaces_the_pin_and_release_cancels_the_restore():
+    lc, store, _ = _lc()
+    key = list(range(200))
+    lc.match("a", key, admit=True, prompt_len=200)
+    ins = lc.insert(key, range(200))
+    lc.checkpoint_running("a", ins.node, 200, active_slot=1)
+    lc.release("a")
+    m1 = lc.match("b", key + [1], admit=True, prompt_len=201)
+    assert m1.restore_len == 200 and m1.checkpoint.pins == 1
+    m2 = lc.match("b", key + [1], admit=True, prompt_len=201)  # waiting, matched again
+    assert m2.checkpoint is m1.checkpoint and m1.checkpoint.pins == 1 and m1.pin.released
+    lc.release("b")
+    assert m1.checkpoint.pins == 0 and "b" in store.cancelled
+    lc.tree.check_invariants()
+
+
+def test_done_requests_are_forgotten_and_their_pins_released():
+    lc, store, _ = _lc()
+    key = list(range(200))
+    lc.match("a", key, admit=True, prompt_len=200)
+    lc.checkpoint_running("a", lc.insert(key, range(200)).node, 200, active_slot=1)
+    lc.release("a")
+    done = {"b": False}
+    m = lc.match("b", key + [2], admit=True, prompt_len=201, is_done=lambda: done["b"])
+    assert m.checkpoint.pins == 1
+    assert lc.forget_done() == 0 and "b" in lc.requests
+    done["b"] = True  # e.g. aborted while waiting
+    assert lc.forget_done() == 1 and lc.requests == {} and m.checkpoint.pins == 0
+
+
+def test_queued_stores_land_at_the_end_of_the_step_and_refusals_leave_the_tree():
+    lc, store, _ = _lc(IntStore(batches=True))
+    a, b = list(range(200)), list(range(1000, 1200))
+    lc.begin_store_scope()
+    lc.match("a", a, admit=True, prompt_len=200)
+    lc.match("b", b, admit=True, prompt_len=200)
+    na, nb = lc.insert(a, range(200)).node, lc.insert(b, range(200, 400)).node
+    lc.checkpoint_running("a", na, 200, active_slot=1)
+    lc.finish(nb, 200, 200, active_slot=2)
+    # in the tree, not ready: not matchable, not evictable; b's active slot held for its store
+    assert lc.tree.checkpoint_count() == 2 and lc.match(None, a + [0], admit=False).restore_len == 0
+    assert store.released_active == []
+    store.refuse.add(lc.tree.path_checkpoints(nb)[0].handles[0])
+    lc.end_store_scope()
+    assert lc.counters.store_flushes == 1 and lc.counters.stores_flushed == 1
+    assert lc.match(None, a + [0], admit=False).restore_len == 200
+    assert lc.match(None, b + [0], admit=False).restore_len == 0  # refused: gone from the tree
+    assert store.released_active == [2]
+    lc.tree.check_invariants()
+
+
+def test_a_full_store_evicts_through_the_tree_and_skips_when_it_cannot():
+    lc, store, _ = _lc(IntStore(capacity=1))
+    a = list(range(100))
+    lc.match("a", a, admit=True, prompt_len=100)
+    na = lc.insert(a, range(100)).node
+    lc.checkpoint_running("a", na, 100, active_slot=1)
+    assert lc.tree.checkpoint_count() == 1
+    b = list(range(500, 600))
+    lc.match("b", b, admit=True, prompt_len=100)
+    nb = lc.insert(b, range(100, 200)).node
+    lc.checkpoint_running("b", nb, 100, active_slot=2)  # the store is full: nothing placed
+    assert lc.tree.checkpoint_count() == 1
+    freed = lc.evict(num_bytes=1)
+    assert freed.checkpoints == 1 and store.live == set()
+    lc.checkpoint_running("b", nb, 100, active_slot=2)
+    assert lc.tree.checkpoint_count() == 1 and lc.match(None, b + [1], admit=False).restore_len == 100
+
+
+def test_export_plan_and_store_exports_follow_the_placement():
+    lc, store, _ = _lc()
+    key = list(range(300))
+    lc.match("a", key, admit=True, prompt_len=300)
+
+    class Source:
+        def grid(self):
+            return [64, 128, 192, 256]
+
+        def kept(self, pos):
+            return pos in planned
+
+    planned = set(lc.export_plan("a", Source().grid(), 300))
+    assert planned == {256}  # the prompt end is reached: its last grid point; no branch point
+    node = lc.insert(key, range(300)).node
+    lc.store_exports("a", node, 300, Source())
+    assert _positions(lc, node) == [(256, K.PROMPT_END)]
+
+
+def test_placement_from_config_scales_only_the_units():
+    cfg = K3Config()
+    tok, sym = placement_from_config(cfg, 1), placement_from_config(cfg, 64)
+    assert tok.hit_unit == sym.hit_unit == 1
+    assert tok.decode_interval == 4096 and sym.decode_interval == 64
+    assert tok.per_path_budget == sym.per_path_budget == cfg.checkpoint_budget
+    off = placement_from_config(K3Config(decode_checkpoint_interval=0, checkpoint_budget=0), 64)
+    assert off.decode_interval is None and off.per_path_budget is None
+    with pytest.raises(ValueError):
+        K3Config(checkpoint_dtype="fp16")
