@@ -26,23 +26,24 @@ Output: ``DIR/results.json``, one record per (policy, budget): ``policy``, ``bud
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
+import queue
 import sys
 import time
 from array import array
 from heapq import heappop, heappush
-from typing import Optional
 
 GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 DEFAULT_OUT = os.path.join("benchmarks", "results", "trace_replay")
-DEFAULT_POLICIES = "k3,upstream,vllm-align,marconi,oracle,fa-budget"
+DEFAULT_POLICIES = "k3,k3-unified,upstream,vllm-align,marconi,oracle,fa-budget"
 DTYPES = ("int8", "bf16", "fp32")
 
 
@@ -175,10 +176,8 @@ def run_all(args, trace, cfg) -> list:
             with ctx.Pool(processes=min(args.jobs, len(jobs)), initializer=_init_worker, initargs=(q,)) as pool:
                 pending = pool.map_async(_run_job, jobs, chunksize=1)
                 while not pending.ready():
-                    try:
+                    with contextlib.suppress(queue.Empty):
                         bar.update(q.get(timeout=0.2))
-                    except Exception:
-                        pass
                 results = pending.get()
                 while not q.empty():
                     bar.update(q.get())
@@ -208,7 +207,7 @@ def build_records(args, results) -> list:
             rec.update({k: v for k, v in out.items() if k not in rec})
             rec.update(model_config=args.model_config, checkpoint_dtype=args.checkpoint_dtype,
                        baseline_state_dtype=args.baseline_state_dtype,
-                       state_dtype=(args.checkpoint_dtype if p in ("k3", "marconi")
+                       state_dtype=(args.checkpoint_dtype if p in ("k3", "k3-unified", "marconi")
                                     else args.baseline_state_dtype if p in ("upstream", "vllm-align") else None),
                        prefill_tflops=args.prefill_tflops, decode_ms_per_token=args.decode_ms_per_token,
                        chunked_prefill_size=args.chunked_prefill_size, symbol_tokens=args.symbol_tokens,
@@ -225,7 +224,8 @@ def plot(records, path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"oracle": dict(ls="--", color="black"), "fa-budget": dict(ls=":", color="gray", marker="s"),
-              "k3": dict(marker="o", lw=3.5, alpha=0.75, zorder=1), "marconi": dict(marker="^", ls="--", zorder=3)}
+              "k3": dict(marker="o", lw=3.5, alpha=0.75, zorder=1),
+              "k3-unified": dict(marker="o", ls="--", alpha=0.75), "marconi": dict(marker="^", ls="--", zorder=3)}
     for p in dict.fromkeys(r["policy"] for r in records):
         rs = sorted((r for r in records if r["policy"] == p), key=lambda r: r["budget_gib"])
         xs, ys = [r["budget_gib"] for r in rs], [r["hit_rate"] for r in rs]
@@ -258,7 +258,10 @@ def parse_args(argv=None):
         prog="python -m benchmarks.trace_replay",
         description=__doc__.split("\n\n")[0] + " Replays a Mooncake-format JSONL trace through each "
         "policy at each memory budget and writes DIR/results.json and DIR/hit_rate.png.",
-        epilog="Policies: k3 (ours, defaults), upstream (SGLang 0.5.23 hybrid cache), vllm-align "
+        epilog="Policies: k3 (ours, exactly as launch_server ships it: the server's request "
+        "lifecycle built from its default K3Config, int8 checkpoints in their own pool of "
+        "--k3-checkpoint-slots), k3-unified (NOT shipped: the same lifecycle with one byte "
+        "budget for KV and checkpoints), upstream (SGLang 0.5.23 hybrid cache), vllm-align "
         "(vLLM align mode), marconi (branch points + last token, FLOP-aware eviction), oracle "
         "(KV-only, unlimited memory), fa-budget (KV-only LRU in the same budget). Each is documented "
         "in benchmarks/policies/<name>.py. oracle and fa-budget always run, since every record "
@@ -361,7 +364,8 @@ def main(argv=None) -> int:
     title = (f"{os.path.basename(args.trace)} ({len(trace)} req), {args.model_config}, "
              f"ckpt {args.checkpoint_dtype}, baselines {args.baseline_state_dtype}")
     plot(records, os.path.join(args.out, "hit_rate.png"), title)
-    print(f"{'policy':<11} {'GiB':>5} {'hit':>6} {'/oracle':>7} {'/fa-bud':>7} {'TTFT p50':>9} {'p90':>8} {'ckpt GiB':>8}")
+    print(f"{'policy':<11} {'GiB':>5} {'hit':>6} {'/oracle':>7} {'/fa-bud':>7} {'TTFT p50':>9} {'p90':>8} "
+          f"{'ckpt GiB':>8}")
     for r in records:
         print(f"{r['policy']:<11} {r['budget_gib']:>5g} {r['hit_rate']:>6.3f} {r['oracle_fraction']:>7.3f} "
               f"{r['fa_budget_fraction']:>7.3f} {r['ttft_p50_s']:>9.3f} {r['ttft_p90_s']:>8.3f} "

@@ -16,7 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
-ALL = ["k3", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
+ALL = ["k3", "k3-unified", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
 FIELDS = {"policy": str, "budget_gib": (int, float), "hit_rate": float, "oracle_fraction": float,
           "fa_budget_fraction": float, "prefill_tokens": int, "ttft_p50_s": float, "ttft_p90_s": float,
           "checkpoint_bytes": (int, float)}
@@ -37,7 +37,7 @@ def synthetic_trace(path, seed=0):
     for c in range(10):
         L, O, ids, t = 512 + rnd.randint(1500, 4000), rnd.randint(50, 400), None, c * 3000
         ids = [0] + new_ids(-(-L // 512) - 1)
-        for turn in range(5):
+        for _ in range(5):
             rows.append(dict(timestamp=t, input_length=L, output_length=O, hash_ids=ids))
             keep = ids[: L // 512]
             L = L + O + rnd.randint(100, 1500)
@@ -138,8 +138,10 @@ def test_real_trace_slice(tmp_path):
         print(f"real slice, {b} GiB: k3 {k3:.4f} upstream {up:.4f} fa-budget {by[('fa-budget', b)]['hit_rate']:.4f} "
               f"oracle {by[('oracle', b)]['hit_rate']:.4f}")
         assert by[("fa-budget", b)]["hit_rate"] >= k3
-        assert k3 >= up, f"k3 below upstream at {b} GiB on the real slice"
-    # measured 0.073 vs 0.047 at 16 GiB: state memory crowds out upstream's KV
+        assert all(by[(p, b)]["hit_rate"] <= by[("oracle", b)]["hit_rate"] for p in ALL)
+    # k3 as shipped (a 64-slot int8 checkpoint pool): measured 0.059 vs upstream's 0.047 at 16 GiB,
+    # where upstream's fp32 states crowd out its KV; at 4 GiB both are at 0.040. (On the whole
+    # trace the shipped pool caps k3 below upstream from 40 GiB on: see the README's table.)
     assert by[("k3", 16)]["hit_rate"] >= 1.2 * by[("upstream", 16)]["hit_rate"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks.policies.base import Admission, Policy, SimConfig
 from benchmarks.policies.fa_budget import FaBudgetPolicy
-from benchmarks.policies.k3 import K3Policy
+from benchmarks.policies.k3 import K3Policy, K3UnifiedPolicy
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
 from benchmarks.policies.upstream import UpstreamPolicy
@@ -12,6 +12,7 @@ from benchmarks.policies.vllm_align import VllmAlignPolicy
 
 POLICIES = {
     "k3": K3Policy,
+    "k3-unified": K3UnifiedPolicy,
     "upstream": UpstreamPolicy,
     "vllm-align": VllmAlignPolicy,
     "marconi": MarconiPolicy,

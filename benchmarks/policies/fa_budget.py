@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_k3.cache import EvictionPolicy
-
 from benchmarks.policies.base import ScaledCost, SimConfig
 from benchmarks.policies.kv_only import KVOnlyPolicy
+from sglang_k3.cache import EvictionPolicy
 
 
 class FaBudgetPolicy(KVOnlyPolicy):

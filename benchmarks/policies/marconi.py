@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_k3.cache import EvictionPolicy, PlacementPolicy
-
 from benchmarks.policies.base import ScaledCost, SimConfig
-from benchmarks.policies.k3 import PlacementTreePolicy, scaled_placement
+from benchmarks.policies.placement_tree import PlacementTreePolicy, scaled_placement
+from sglang_k3.cache import EvictionPolicy, PlacementPolicy
 
 
 class MarconiPolicy(PlacementTreePolicy):

@@ -50,9 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_k3.cache import CheckpointKind, EvictionPolicy
-
 from benchmarks.policies.base import ScaledCost, SimConfig, TreePolicy, _Ctx
+from sglang_k3.cache import CheckpointKind, EvictionPolicy
 
 TRACK_INTERVAL = 256  # mamba_track_interval default (rule 5)
 

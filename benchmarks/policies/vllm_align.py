@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from benchmarks.policies.base import ScaledCost, SimConfig
+from benchmarks.policies.placement_tree import PlacementTreePolicy
 from sglang_k3.cache import EvictionPolicy, PlacementPolicy
 from sglang_k3.cache.cost_model import DTYPE_BYTES
-
-from benchmarks.policies.base import ScaledCost, SimConfig
-from benchmarks.policies.k3 import PlacementTreePolicy
 
 
 def block_tokens(cfg: SimConfig) -> int:
