@@ -4,15 +4,12 @@
 installed as `sglang_k3.kernels` and `sglang_k3.patches`: a top-level package called
 `kernels` would shadow the PyPI package `kernels` that sglang itself imports.
 """
+
 from setuptools import find_packages, setup
 
 _inner = find_packages(include=["sglang_k3", "sglang_k3.*"])
-_kernels = ["sglang_k3.kernels"] + [
-    "sglang_k3.kernels." + p for p in find_packages(where="kernels")
-]
-_patches = ["sglang_k3.patches"] + [
-    "sglang_k3.patches." + p for p in find_packages(where="patches")
-]
+_kernels = ["sglang_k3.kernels"] + ["sglang_k3.kernels." + p for p in find_packages(where="kernels")]
+_patches = ["sglang_k3.patches"] + ["sglang_k3.patches." + p for p in find_packages(where="patches")]
 
 setup(
     name="sglang-k3",
@@ -31,7 +28,7 @@ setup(
         "torch==2.14.1",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "requests", "fla-core==0.6.0"],
+        "test": ["pytest", "hypothesis", "requests", "fla-core==0.6.0", "ruff==0.17.6"],
         "bench": ["matplotlib", "tqdm"],
     },
     entry_points={

@@ -23,6 +23,7 @@ two results compared byte for byte. And for a forward of many sequences, its 64 
 in one call (what the int8 store does ahead, at the first request's checkpoint) against one call per
 checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     pol = PlacementPolicy()
     stash = ExportStash()
-    stash.enable(lambda rid, seq: list(pol.export_candidates(seq.grid(), seq.end, PROMPT, BRANCH)), WIDTH,
-                 num_layers=L)
+    stash.enable(lambda rid, seq: list(pol.export_candidates(seq.grid(), seq.end, PROMPT, BRANCH)), WIDTH, num_layers=L)
     res: dict = {"dims": dict(layers=L, heads=H, v=V, k=KD, d=D, width=WIDTH, tokens=T)}
 
     torch.cuda.synchronize()
@@ -89,49 +89,95 @@ def main() -> None:
 
     # int8 checkpoints through the Triton kernel: compact rows vs the full tensors (layer 0).
     seq = stash.lookup(1, T)
-    pool_a = CheckpointPool(num_slots=4, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
-                            conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
-    pool_b = CheckpointPool(num_slots=4, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
-                            conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
+    pool_a = CheckpointPool(
+        num_slots=4,
+        num_layers=L,
+        num_heads=H,
+        head_v_dim=V,
+        head_k_dim=KD,
+        conv_shape=(WIDTH, D),
+        conv_dtype=torch.bfloat16,
+        dtype="int8",
+        device="cuda",
+    )
+    pool_b = CheckpointPool(
+        num_slots=4,
+        num_layers=L,
+        num_heads=H,
+        head_v_dim=V,
+        head_k_dim=KD,
+        conv_shape=(WIDTH, D),
+        conv_dtype=torch.bfloat16,
+        dtype="int8",
+        device="cuda",
+    )
     h, mixed = first
     same = {}
     for pos in res["stash"]["rows_kept"]:
         j = stash.row(seq, pos)
         rows = stash.layers[0]
         a, b = pool_a.alloc(1), pool_b.alloc(1)
-        ra = pool_a.store_from_intermediate(0, rows.h, [j], a, state_v_first=True,
-                                            conv_src=rows.conv.reshape(-1, D), token_ends=[(j + 1) * WIDTH])
-        rb = pool_b.store_from_intermediate(0, h, [pos // CHUNK], b, state_v_first=True,
-                                            conv_src=mixed, token_ends=[pos])
+        ra = pool_a.store_from_intermediate(
+            0, rows.h, [j], a, state_v_first=True, conv_src=rows.conv.reshape(-1, D), token_ends=[(j + 1) * WIDTH]
+        )
+        rb = pool_b.store_from_intermediate(
+            0, h, [pos // CHUNK], b, state_v_first=True, conv_src=mixed, token_ends=[pos]
+        )
         torch.cuda.synchronize()
-        same[pos] = bool(ra.all_ok and rb.all_ok
-                         and torch.equal(pool_a.q[a[0], 0], pool_b.q[b[0], 0])
-                         and torch.equal(pool_a.scale[a[0], 0], pool_b.scale[b[0], 0])
-                         and torch.equal(pool_a.conv[a[0], 0], pool_b.conv[b[0], 0])
-                         and torch.equal(rows.h[j], h[0, pos // CHUNK])
-                         and torch.equal(rows.conv[j], mixed[pos - WIDTH:pos]))
+        same[pos] = bool(
+            ra.all_ok
+            and rb.all_ok
+            and torch.equal(pool_a.q[a[0], 0], pool_b.q[b[0], 0])
+            and torch.equal(pool_a.scale[a[0], 0], pool_b.scale[b[0], 0])
+            and torch.equal(pool_a.conv[a[0], 0], pool_b.conv[b[0], 0])
+            and torch.equal(rows.h[j], h[0, pos // CHUNK])
+            and torch.equal(rows.conv[j], mixed[pos - WIDTH : pos])
+        )
     res["int8_store_compact_equals_full"] = same
 
     # One checkpoint, all layers: one stacked call vs one call per layer (the cache's two paths).
     stack = stash.stacked()
     assert stack is not None and list(stash.layers) == list(range(L))
     n = stack.conv.shape[1]
-    pool = CheckpointPool(num_slots=8, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
-                          conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
+    pool = CheckpointPool(
+        num_slots=8,
+        num_layers=L,
+        num_heads=H,
+        head_v_dim=V,
+        head_k_dim=KD,
+        conv_shape=(WIDTH, D),
+        conv_dtype=torch.bfloat16,
+        dtype="int8",
+        device="cuda",
+    )
 
     def per_layer(j):
         dst = pool.alloc(1)
         for layer in range(L):
             rows = stash.layers[layer]
-            r = pool.store_from_intermediate(layer, rows.h, [j], dst, state_v_first=True,
-                                             conv_src=rows.conv.reshape(-1, D), token_ends=[(j + 1) * WIDTH])
+            r = pool.store_from_intermediate(
+                layer,
+                rows.h,
+                [j],
+                dst,
+                state_v_first=True,
+                conv_src=rows.conv.reshape(-1, D),
+                token_ends=[(j + 1) * WIDTH],
+            )
             assert r.all_ok
         return dst[0]
 
     def one_call(j):
         dst = pool.alloc(1)
-        r = pool.store_from_intermediate(range(L), stack.h, [j], dst, state_v_first=True,
-                                         conv_src=stack.conv.reshape(L, n * WIDTH, D), token_ends=[(j + 1) * WIDTH])
+        r = pool.store_from_intermediate(
+            range(L),
+            stack.h,
+            [j],
+            dst,
+            state_v_first=True,
+            conv_src=stack.conv.reshape(L, n * WIDTH, D),
+            token_ends=[(j + 1) * WIDTH],
+        )
         assert r.all_ok
         return dst[0]
 
@@ -139,8 +185,13 @@ def main() -> None:
     for j in range(n):
         a, b = per_layer(j), one_call(j)
         torch.cuda.synchronize()
-        equal.append(bool(torch.equal(pool.q[a], pool.q[b]) and torch.equal(pool.scale[a], pool.scale[b])
-                          and torch.equal(pool.conv[a], pool.conv[b])))
+        equal.append(
+            bool(
+                torch.equal(pool.q[a], pool.q[b])
+                and torch.equal(pool.scale[a], pool.scale[b])
+                and torch.equal(pool.conv[a], pool.conv[b])
+            )
+        )
         pool.decref([a, b])
     walls = {"per_layer": [], "one_call": []}
     for it in range(30):
@@ -153,8 +204,12 @@ def main() -> None:
             pool.decref([slot])
     med = {k: statistics.median(v[3:]) for k, v in walls.items()}  # the first calls compile
     res["store_one_checkpoint_all_layers"] = dict(
-        wall_us_median=med, speedup=med["per_layer"] / med["one_call"], results_equal=equal,
-        launches=dict(per_layer=L, one_call=1), flag_syncs=dict(per_layer=L, one_call=1))
+        wall_us_median=med,
+        speedup=med["per_layer"] / med["one_call"],
+        results_equal=equal,
+        launches=dict(per_layer=L, one_call=1),
+        flag_syncs=dict(per_layer=L, one_call=1),
+    )
     del pool, stack
 
     # A forward of many sequences: its kept rows for all requests in one call (stored ahead) vs
@@ -163,8 +218,17 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(7)
     hs = torch.randn(L, n_rows, H, V, KD, device="cuda", dtype=torch.bfloat16, generator=g)
     cs = torch.randn(L, n_rows, WIDTH, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    pool = CheckpointPool(num_slots=2 * n_rows, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=KD,
-                          conv_shape=(WIDTH, D), conv_dtype=torch.bfloat16, dtype="int8", device="cuda")
+    pool = CheckpointPool(
+        num_slots=2 * n_rows,
+        num_layers=L,
+        num_heads=H,
+        head_v_dim=V,
+        head_k_dim=KD,
+        conv_shape=(WIDTH, D),
+        conv_dtype=torch.bfloat16,
+        dtype="int8",
+        device="cuda",
+    )
     conv_src = cs.reshape(L, n_rows * WIDTH, D)
     rows = list(range(n_rows))
 
@@ -172,24 +236,30 @@ def main() -> None:
         out = []
         for r in rows:
             dst = pool.alloc(1)
-            assert pool.store_from_intermediate(range(L), hs, [r], dst, state_v_first=True, conv_src=conv_src,
-                                                token_ends=[(r + 1) * WIDTH]).all_ok
+            assert pool.store_from_intermediate(
+                range(L), hs, [r], dst, state_v_first=True, conv_src=conv_src, token_ends=[(r + 1) * WIDTH]
+            ).all_ok
             out += dst
         return out
 
     def ahead():
         dst = pool.alloc(n_rows)
-        assert pool.store_from_intermediate(range(L), hs, rows, dst, state_v_first=True, conv_src=conv_src,
-                                            token_ends=[(r + 1) * WIDTH for r in rows]).all_ok
+        assert pool.store_from_intermediate(
+            range(L), hs, rows, dst, state_v_first=True, conv_src=conv_src, token_ends=[(r + 1) * WIDTH for r in rows]
+        ).all_ok
         return dst
 
     a, b = each(), ahead()
     torch.cuda.synchronize()
-    same_rows = all(torch.equal(pool.q[x], pool.q[y]) and torch.equal(pool.scale[x], pool.scale[y])
-                    and torch.equal(pool.conv[x], pool.conv[y]) for x, y in zip(a, b))
+    same_rows = all(
+        torch.equal(pool.q[x], pool.q[y])
+        and torch.equal(pool.scale[x], pool.scale[y])
+        and torch.equal(pool.conv[x], pool.conv[y])
+        for x, y in zip(a, b)
+    )
     pool.decref(a + b)
     walls = {"per_checkpoint": [], "one_call": []}
-    for it in range(12):
+    for _ in range(12):
         for name, fn in (("per_checkpoint", each), ("one_call", ahead)):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -198,8 +268,9 @@ def main() -> None:
             walls[name].append((time.perf_counter() - t0) * 1e6)
             pool.decref(got)
     med = {k: statistics.median(v[2:]) for k, v in walls.items()}
-    res["store_forward_rows"] = dict(rows=n_rows, wall_us_median=med, speedup=med["per_checkpoint"] / med["one_call"],
-                                     results_equal=same_rows)
+    res["store_forward_rows"] = dict(
+        rows=n_rows, wall_us_median=med, speedup=med["per_checkpoint"] / med["one_call"], results_equal=same_rows
+    )
     del pool, hs, cs, conv_src
     del first, h, mixed, pool_a, pool_b, stash, seq
     torch.cuda.synchronize()
@@ -216,16 +287,25 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     s, r = res["stash"]["allocated_after_forward"], res["references"]["allocated_after_forward"]
-    print(f"held after a 64k-token extend, 20 KDA layers: stash {s / 2**20:.1f} MiB, "
-          f"references {r / GIB:.1f} GiB ({r / max(s, 1):.0f}x)")
+    print(
+        f"held after a 64k-token extend, 20 KDA layers: stash {s / 2**20:.1f} MiB, "
+        f"references {r / GIB:.1f} GiB ({r / max(s, 1):.0f}x)"
+    )
     st = res["store_one_checkpoint_all_layers"]
-    print(f"store one checkpoint, {L} layers: one call {st['wall_us_median']['one_call']:.0f} us, per layer "
-          f"{st['wall_us_median']['per_layer']:.0f} us ({st['speedup']:.1f}x); equal: {st['results_equal']}")
+    print(
+        f"store one checkpoint, {L} layers: one call {st['wall_us_median']['one_call']:.0f} us, per layer "
+        f"{st['wall_us_median']['per_layer']:.0f} us ({st['speedup']:.1f}x); equal: {st['results_equal']}"
+    )
     fr = res["store_forward_rows"]
-    print(f"store {fr['rows']} checkpoints of a forward: one call {fr['wall_us_median']['one_call']:.0f} us, one per "
-          f"checkpoint {fr['wall_us_median']['per_checkpoint']:.0f} us ({fr['speedup']:.1f}x); equal: {fr['results_equal']}")
-    print(f"record_layer: median {res['stash']['record_layer_us']['median']:.0f} us per layer; "
-          f"rows kept at {res['stash']['rows_kept']}; int8 compact == full: {same}")
+    print(
+        f"store {fr['rows']} checkpoints of a forward: one call {fr['wall_us_median']['one_call']:.0f} us, one per "
+        f"checkpoint {fr['wall_us_median']['per_checkpoint']:.0f} us ({fr['speedup']:.1f}x); "
+        f"equal: {fr['results_equal']}"
+    )
+    print(
+        f"record_layer: median {res['stash']['record_layer_us']['median']:.0f} us per layer; "
+        f"rows kept at {res['stash']['rows_kept']}; int8 compact == full: {same}"
+    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_export_stash.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -28,6 +28,7 @@ round's data is well above the 50 MB L2 (so no launch reads what the previous on
 the median of several such windows. Index tensors are made on the device beforehand (the kernel
 cost; the pool's Python-list path adds one small H2D copy per call).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -136,6 +137,7 @@ def sized_copy_bandwidth(nbytes):
 # ops on a layer-major [L, N, H, V, K] store): fancy-index gather, fp32 amax/div/round/clamp, cast,
 # fancy-index scatter. Here on our slot-major checkpoint store (index_select/index_copy on dim 0).
 
+
 def torch_quant(t, c, si, q, s, cc, di):
     x = t.index_select(1, si).transpose(0, 1).float()
     amax = x.abs().amax(dim=-2, keepdim=True).clamp(min=1e-8)
@@ -165,6 +167,7 @@ def torch_move_from(d, dc, si, t, c, di):
 
 
 # ----------------------------------------------------------------------------- main measurement
+
 
 def bytes_of(kind, n, L, H, V, K, conv_n):
     hvk, hk, cb = H * V * K, H * K, conv_n * 2
@@ -212,27 +215,52 @@ def bench_dims(name, d, cfg, copy_bw, results, with_torch=True):
             if b not in same_bytes:
                 same_bytes[b] = sized_copy_bandwidth(b)
             bw = b / sec
-            results.append(dict(dims=name, batch=n, kernel=kernel, impl=impl, time_us=sec * 1e6,
-                                eager_us=eager * 1e6, bytes=b, bw_GBs=bw / 1e9, frac_of_copy=bw / copy_bw,
-                                eager_frac_of_copy=b / eager / copy_bw,
-                                same_bytes_copy_frac=same_bytes[b] / copy_bw,
-                                frac_of_same_bytes_copy=bw / same_bytes[b]))
-            log(f"  {kernel:22s} {impl:7s} {sec * 1e6:10.1f} us  {bw / 1e12:6.3f} TB/s  {bw / copy_bw:6.1%}"
+            results.append(
+                dict(
+                    dims=name,
+                    batch=n,
+                    kernel=kernel,
+                    impl=impl,
+                    time_us=sec * 1e6,
+                    eager_us=eager * 1e6,
+                    bytes=b,
+                    bw_GBs=bw / 1e9,
+                    frac_of_copy=bw / copy_bw,
+                    eager_frac_of_copy=b / eager / copy_bw,
+                    same_bytes_copy_frac=same_bytes[b] / copy_bw,
+                    frac_of_same_bytes_copy=bw / same_bytes[b],
+                )
+            )
+            log(
+                f"  {kernel:22s} {impl:7s} {sec * 1e6:10.1f} us  {bw / 1e12:6.3f} TB/s  {bw / copy_bw:6.1%}"
                 f"  (of a same-bytes copy {bw / same_bytes[b]:6.1%}; eager {eager * 1e6:.1f} us, "
-                f"{b / eager / copy_bw:.1%})")
+                f"{b / eager / copy_bw:.1%})"
+            )
 
         flags = torch.zeros(n, dtype=torch.int32, device="cuda")
         qk = dict(cfg["quant"], bad=flags)
-        rec("quant_scatter", "triton", (
-            [lambda i=i: tk.quant_scatter(t, c, idx[i], q, s, cc, idx[i], **qk) for i in range(sets)]))
+        rec(
+            "quant_scatter",
+            "triton",
+            ([lambda i=i: tk.quant_scatter(t, c, idx[i], q, s, cc, idx[i], **qk) for i in range(sets)]),
+        )
         dk = cfg["dequant"]
-        rec("gather_dequant", "triton", (
-            [lambda i=i: tk.gather_dequant(q, s, cc, idx[i], t, c, idx[i], **dk) for i in range(sets)]))
+        rec(
+            "gather_dequant",
+            "triton",
+            ([lambda i=i: tk.gather_dequant(q, s, cc, idx[i], t, c, idx[i], **dk) for i in range(sets)]),
+        )
         if with_torch_n:
-            rec("quant_scatter", "torch", (
-                [lambda i=i: torch_quant(t, c, idx_l[i], q, s, cc, idx_l[i]) for i in range(min(sets, 4))]))
-            rec("gather_dequant", "torch", (
-                [lambda i=i: torch_dequant(q, s, cc, idx_l[i], t, c, idx_l[i]) for i in range(min(sets, 4))]))
+            rec(
+                "quant_scatter",
+                "torch",
+                ([lambda i=i: torch_quant(t, c, idx_l[i], q, s, cc, idx_l[i]) for i in range(min(sets, 4))]),
+            )
+            rec(
+                "gather_dequant",
+                "torch",
+                ([lambda i=i: torch_dequant(q, s, cc, idx_l[i], t, c, idx_l[i]) for i in range(min(sets, 4))]),
+            )
         # correctness spot check in the benchmark itself: dequant(quant(x)) close to x
         x0 = t[:, idx_l[0]].clone()
         tk.quant_scatter(t, c, idx[0], q, s, cc, idx[0], **qk)
@@ -245,15 +273,27 @@ def bench_dims(name, d, cfg, copy_bw, results, with_torch=True):
         ckb = dict(ck, bad=flags)
         for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             dq = torch.empty(P, L, H, V, K, dtype=dt, device="cuda")
-            rec(f"copy_to_ckpt_{tag}", "triton", (
-                [lambda i=i: tk.copy_to_ckpt(t, c, idx[i], dq, cc, idx[i], **ckb) for i in range(sets)]))
-            rec(f"copy_from_ckpt_{tag}", "triton", (
-                [lambda i=i: tk.copy_from_ckpt(dq, cc, idx[i], t, c, idx[i], **ck) for i in range(sets)]))
+            rec(
+                f"copy_to_ckpt_{tag}",
+                "triton",
+                ([lambda i=i: tk.copy_to_ckpt(t, c, idx[i], dq, cc, idx[i], **ckb) for i in range(sets)]),
+            )
+            rec(
+                f"copy_from_ckpt_{tag}",
+                "triton",
+                ([lambda i=i: tk.copy_from_ckpt(dq, cc, idx[i], t, c, idx[i], **ck) for i in range(sets)]),
+            )
             if with_torch_n:
-                rec(f"copy_to_ckpt_{tag}", "torch", (
-                    [lambda i=i: torch_move_to(t, c, idx_l[i], dq, cc, idx_l[i]) for i in range(min(sets, 4))]))
-                rec(f"copy_from_ckpt_{tag}", "torch", (
-                    [lambda i=i: torch_move_from(dq, cc, idx_l[i], t, c, idx_l[i]) for i in range(min(sets, 4))]))
+                rec(
+                    f"copy_to_ckpt_{tag}",
+                    "torch",
+                    ([lambda i=i: torch_move_to(t, c, idx_l[i], dq, cc, idx_l[i]) for i in range(min(sets, 4))]),
+                )
+                rec(
+                    f"copy_from_ckpt_{tag}",
+                    "torch",
+                    ([lambda i=i: torch_move_from(dq, cc, idx_l[i], t, c, idx_l[i]) for i in range(min(sets, 4))]),
+                )
             if dt == torch.float32:
                 x0 = t[:, idx_l[0]].clone()
                 tk.copy_to_ckpt(t, c, idx[0], dq, cc, idx[0], **ck)
@@ -335,6 +375,7 @@ def device_time(fn, iters=10):
 def bench_export(results, cfg):
     import torch.nn.functional as F
     from fla.ops.kda import chunk_kda
+
     from sglang_k3.kernels.ckpt import triton_kernels as tk
 
     d = DIMS["kimi-linear-48b"]
@@ -356,17 +397,19 @@ def bench_export(results, cfg):
         cck = torch.empty(NT, 1, 3 * conv_d, dtype=torch.bfloat16, device="cuda")
 
         with torch.inference_mode():
+
             def base():
                 return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
             def with_h():
-                return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                 return_intermediate_states=True)
+                return chunk_kda(
+                    q, k, v, g, beta, initial_state=h0, output_final_state=True, return_intermediate_states=True
+                )
 
             for _ in range(3):
                 base()
                 _, _, h = with_h()
-            sparse_ci = torch.arange(16, NT, 16, device="cuda", dtype=torch.int32)[:max(1, nck_sparse - 1)]
+            sparse_ci = torch.arange(16, NT, 16, device="cuda", dtype=torch.int32)[: max(1, nck_sparse - 1)]
             all_ci = torch.arange(1, NT, device="cuda", dtype=torch.int32)
             sl_sparse = torch.arange(len(sparse_ci), device="cuda", dtype=torch.int32)
             sl_all = torch.arange(len(all_ci), device="cuda", dtype=torch.int32)
@@ -375,12 +418,14 @@ def bench_export(results, cfg):
             eflags = torch.zeros(NT, dtype=torch.int32, device="cuda")
 
             def store(ci, sl, te):
-                return lambda: tk.store_intermediate(h, ci, 0, qck, sck, sl, conv_src=stream, token_ends=te,
-                                                     dst_conv=cck, bad=eflags, **cfg["quant"])
+                return lambda: tk.store_intermediate(
+                    h, ci, 0, qck, sck, sl, conv_src=stream, token_ends=te, dst_conv=cck, bad=eflags, **cfg["quant"]
+                )
 
             # check: stored checkpoint == quantized h
             store(sparse_ci, sl_sparse, te_sparse)()
             from sglang_k3.kernels.ckpt import reference as R
+
             qr, sr = R.quantize_tile(h.reshape(-1, H, D, D)[sparse_ci[0].long()].float().transpose(-1, -2))
             mism = int((qck[0, 0] != qr).sum()), int((sck[0, 0] != sr).sum())
             log(f"  export check: int8 code mismatches {mism[0]}, scale mismatches {mism[1]}")
@@ -399,28 +444,41 @@ def bench_export(results, cfg):
             t_all = device_time(store(all_ci, sl_all, te_all), iters=20)
             t_k3 = device_time(store(k3_ci, sl_k3, te_k3), iters=20)
             t_base_eager = time_rotating([base], min_time=0.1, windows=3)
-        row = dict(T=T, H=H, D=D, timing="device time (profiler kernel durations)",
-                   chunk_kda_us=t_base * 1e6, chunk_kda_with_h_us=t_h * 1e6,
-                   chunk_kda_eager_wall_us=t_base_eager * 1e6,
-                   store_every_1024_us=t_sparse * 1e6, n_ckpt_sparse=len(sparse_ci),
-                   store_every_chunk_us=t_all * 1e6, n_ckpt_all=len(all_ci),
-                   store_k3_placement_us=t_k3 * 1e6, n_ckpt_k3=2,
-                   overhead_k3=(t_h - t_base + t_k3) / t_base,
-                   overhead_sparse=(t_h - t_base + t_sparse) / t_base,
-                   overhead_all=(t_h - t_base + t_all) / t_base,
-                   return_h_delta=(t_h - t_base) / t_base, check_mismatches=mism)
+        row = dict(
+            T=T,
+            H=H,
+            D=D,
+            timing="device time (profiler kernel durations)",
+            chunk_kda_us=t_base * 1e6,
+            chunk_kda_with_h_us=t_h * 1e6,
+            chunk_kda_eager_wall_us=t_base_eager * 1e6,
+            store_every_1024_us=t_sparse * 1e6,
+            n_ckpt_sparse=len(sparse_ci),
+            store_every_chunk_us=t_all * 1e6,
+            n_ckpt_all=len(all_ci),
+            store_k3_placement_us=t_k3 * 1e6,
+            n_ckpt_k3=2,
+            overhead_k3=(t_h - t_base + t_k3) / t_base,
+            overhead_sparse=(t_h - t_base + t_sparse) / t_base,
+            overhead_all=(t_h - t_base + t_all) / t_base,
+            return_h_delta=(t_h - t_base) / t_base,
+            check_mismatches=mism,
+        )
         results.append(row)
-        log(f"[export T={T}] chunk_kda {t_base * 1e6:.0f} us device ({t_base_eager * 1e6:.0f} us eager wall), "
+        log(
+            f"[export T={T}] chunk_kda {t_base * 1e6:.0f} us device ({t_base_eager * 1e6:.0f} us eager wall), "
             f"with h {t_h * 1e6:.0f} us; store 2 (k3) {t_k3 * 1e6:.1f} us, {len(sparse_ci)} ckpts "
             f"{t_sparse * 1e6:.1f} us, {len(all_ci)} ckpts {t_all * 1e6:.1f} us -> overhead "
             f"{row['overhead_k3']:.2%} (k3) / {row['overhead_sparse']:.2%} (every 1024) / "
-            f"{row['overhead_all']:.2%} (every chunk)")
+            f"{row['overhead_all']:.2%} (every chunk)"
+        )
         del q, k, v, g, beta, h, qck, sck, cck, stream
         torch.cuda.empty_cache()
 
 
 def plot(data, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -433,19 +491,37 @@ def plot(data, path):
             for ii, impl in enumerate(("triton", "torch")):
                 ys = []
                 for kname in kernels:
-                    m = [r for r in rows if r["dims"] == dims and r["batch"] == n and r["kernel"] == kname
-                         and r["impl"] == impl]
+                    m = [
+                        r
+                        for r in rows
+                        if r["dims"] == dims and r["batch"] == n and r["kernel"] == kname and r["impl"] == impl
+                    ]
                     ys.append(m[0]["frac_of_copy"] if m else 0)
                 xs = [i + (bi * 2 + ii - 2.5) * width for i in range(len(kernels))]
-                ax.bar(xs, ys, width, label=f"{impl} b={n}", alpha=1.0 if impl == "triton" else 0.45,
-                       color=f"C{bi}")
+                ax.bar(xs, ys, width, label=f"{impl} b={n}", alpha=1.0 if impl == "triton" else 0.45, color=f"C{bi}")
                 if impl == "triton":  # black tick: a torch copy moving the same bytes
-                    sb = [next((r.get("same_bytes_copy_frac") for r in rows if r["dims"] == dims
-                                and r["batch"] == n and r["kernel"] == kname), None) for kname in kernels]
+                    sb = [
+                        next(
+                            (
+                                r.get("same_bytes_copy_frac")
+                                for r in rows
+                                if r["dims"] == dims and r["batch"] == n and r["kernel"] == kname
+                            ),
+                            None,
+                        )
+                        for kname in kernels
+                    ]
                     pts = [(x, y) for x, y in zip(xs, sb) if y is not None]
                     if pts:
-                        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker="_", color="k", s=60,
-                                   zorder=3, label="same-bytes torch copy" if bi == 0 else None)
+                        ax.scatter(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            marker="_",
+                            color="k",
+                            s=60,
+                            zorder=3,
+                            label="same-bytes torch copy" if bi == 0 else None,
+                        )
         ax.axhline(0.85, color="k", ls="--", lw=1)
         ax.set_xticks(range(len(kernels)))
         ax.set_xticklabels(kernels, rotation=30, ha="right", fontsize=8)
@@ -474,10 +550,19 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plot-only", default=None, help="re-plot from an existing JSON")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--only", choices=("kernels", "export"), default=None,
-                    help="run one part: the kernel table or the chunk_kda export (writes gpu_PART.json)")
-    ap.add_argument("--sweep-only-batch", type=int, default=None, metavar="N",
-                    help="only sweep launch configs for batches of N slot pairs; write sweep_bN.json")
+    ap.add_argument(
+        "--only",
+        choices=("kernels", "export"),
+        default=None,
+        help="run one part: the kernel table or the chunk_kda export (writes gpu_PART.json)",
+    )
+    ap.add_argument(
+        "--sweep-only-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only sweep launch configs for batches of N slot pairs; write sweep_bN.json",
+    )
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
@@ -487,8 +572,13 @@ def main():
     assert torch.cuda.is_available(), "needs a GPU"
     import triton
 
-    data = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                dims=DIMS, batches=BATCHES)
+    data = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        dims=DIMS,
+        batches=BATCHES,
+    )
     t0 = time.time()
     copy_bw = copy_bandwidth()
     data["copy_bw_TBs"] = copy_bw / 1e12
@@ -514,7 +604,7 @@ def main():
 
     data["kernels"] = []
     dump()
-    for name, d in (DIMS.items() if args.only in (None, "kernels") else ()):
+    for name, d in DIMS.items() if args.only in (None, "kernels") else ():
         bench_dims(name, d, cfg, copy_bw, data["kernels"])
         dump()
         log(f"({time.time() - t0:.0f} s)")

@@ -17,12 +17,15 @@ prompt tokens), prefill tokens computed (prompt - cached), and k3/upstream ratio
 the two servers are compared request by request on ``multiturn`` and ``trace`` (and, as text, on
 ``gsp``). Writes ``OUT/results.json`` and ``OUT/live_ab.png``.
 
-Exit status: 0 ok; 1 a server or workload failed; 2 every selected workload was skipped; 3 the run finished but greedy outputs differ
+Exit status: 0 ok; 1 a server or workload failed; 2 every selected workload was skipped; 3 the run
+finished but greedy outputs differ
 between the caches or requests failed (see ``greedy`` / ``errors`` in the JSON).
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -48,21 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " Starts a k3 server and an upstream-cache server, runs the "
         "same workloads on each in turn, and writes OUT/results.json and OUT/live_ab.png. Default sizes "
         "take ~5-10 minutes on 2 CPU cores.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     g = p.add_argument_group("servers")
-    g.add_argument("--model-path", default=None,
-                   help="model to serve (passed as --model-path to both servers); default: the embedded tiny "
-                   "model, sglang_k3.model.tiny_build.default_model_path()")
-    g.add_argument("--extra-server-args", default="",
-                   help="extra flags for BOTH servers, one shell-quoted string, e.g. \"--chunked-prefill-size 256\"")
-    g.add_argument("--k3-server-args", default="",
-                   help="extra flags for the k3 server only (e.g. \"--k3-checkpoint-dtype fp32\"); recorded in the JSON")
+    g.add_argument(
+        "--model-path",
+        default=None,
+        help="model to serve (passed as --model-path to both servers); default: the embedded tiny "
+        "model, sglang_k3.model.tiny_build.default_model_path()",
+    )
+    g.add_argument(
+        "--extra-server-args",
+        default="",
+        help='extra flags for BOTH servers, one shell-quoted string, e.g. "--chunked-prefill-size 256"',
+    )
+    g.add_argument(
+        "--k3-server-args",
+        default="",
+        help='extra flags for the k3 server only (e.g. "--k3-checkpoint-dtype fp32"); recorded in the JSON',
+    )
     g.add_argument("--upstream-server-args", default="", help="extra flags for the upstream server only")
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument("--out", default=DEFAULT_OUT, help="output folder for results.json and live_ab.png")
     g.add_argument("--log-dir", default=DEFAULT_LOGS, help="server and bench_serving logs (git-ignored by default)")
-    g.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     g.add_argument("--seed", type=int, default=1, help="seed of the synthetic prompts (same for both caches)")
     g.add_argument("--quiet", action="store_true", help="no per-request progress lines")
 
@@ -83,13 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mt-reply-len", type=int, default=8, help="greedy reply tokens per turn (max_new_tokens)")
 
     g = p.add_argument_group("trace: a scaled slice of a Mooncake trace with real token ids")
-    g.add_argument("--trace", default=DEFAULT_TRACE,
-                   help="Mooncake JSONL trace; the workload is skipped with a message when the file is missing")
+    g.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="Mooncake JSONL trace; the workload is skipped with a message when the file is missing",
+    )
     g.add_argument("--trace-requests", type=int, default=8, help="requests in the slice")
-    g.add_argument("--trace-window", type=int, default=1000,
-                   help="take the slice's multi-turn conversations from the first N trace requests")
-    g.add_argument("--trace-scale", type=int, default=32,
-                   help="divide input lengths, output lengths and the 512-token hash block by this (must divide 512)")
+    g.add_argument(
+        "--trace-window",
+        type=int,
+        default=1000,
+        help="take the slice's multi-turn conversations from the first N trace requests",
+    )
+    g.add_argument(
+        "--trace-scale",
+        type=int,
+        default=32,
+        help="divide input lengths, output lengths and the 512-token hash block by this (must divide 512)",
+    )
     g.add_argument("--trace-max-output", type=int, default=16, help="cap on scaled output lengths (tokens)")
     g.add_argument("--trace-concurrency", type=int, default=4, help="requests in flight at once")
     return p
@@ -102,9 +125,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         p.error(f"--workloads: unknown {bad}; choose from {','.join(WORKLOADS)}")
-    for name in ("gsp_groups", "gsp_prompts_per_group", "gsp_concurrency", "mt_conversations", "mt_turns",
-                 "mt_reply_len", "trace_requests", "trace_window", "trace_scale", "trace_max_output",
-                 "trace_concurrency", "gsp_output_len"):
+    for name in (
+        "gsp_groups",
+        "gsp_prompts_per_group",
+        "gsp_concurrency",
+        "mt_conversations",
+        "mt_turns",
+        "mt_reply_len",
+        "trace_requests",
+        "trace_window",
+        "trace_scale",
+        "trace_max_output",
+        "trace_concurrency",
+        "gsp_output_len",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if 512 % args.trace_scale:
@@ -147,10 +181,8 @@ def compare_outputs(a: dict, b: dict) -> dict:
 
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    try:
+    with contextlib.suppress(AttributeError):  # not on every OS
         info["cpus_usable"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
@@ -173,9 +205,12 @@ def git_info() -> dict:
             return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=20).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return None
+
     dirty = run("status", "--porcelain", "--", "sglang_k3", "kernels", "patches", "setup.py")
-    return {"commit": (run("rev-parse", "HEAD") or "").strip() or None,
-            "uncommitted_server_code": [ln[3:] for ln in dirty.splitlines()] if dirty else []}
+    return {
+        "commit": (run("rev-parse", "HEAD") or "").strip() or None,
+        "uncommitted_server_code": [ln[3:] for ln in dirty.splitlines()] if dirty else [],
+    }
 
 
 def fmt(x, spec=".3f") -> str:
@@ -190,16 +225,22 @@ def print_table(records: list, ratios: list, greedy: dict) -> None:
         for c in CACHES:
             r = by.get((w, c))
             if r:
-                print(f"{w:<10} {c:<9} {fmt(r['hit_rate']):>8} {fmt(r['ttft_p50_s']):>9} {fmt(r['ttft_p90_s']):>9} "
-                      f"{fmt(r['output_tok_per_s'], '.2f'):>11} {r['prefill_tokens']:>12} {r['errors']:>7}")
+                print(
+                    f"{w:<10} {c:<9} {fmt(r['hit_rate']):>8} {fmt(r['ttft_p50_s']):>9} {fmt(r['ttft_p90_s']):>9} "
+                    f"{fmt(r['output_tok_per_s'], '.2f'):>11} {r['prefill_tokens']:>12} {r['errors']:>7}"
+                )
         if w in rat:
             q = rat[w]
-            print(f"{w:<10} {'k3/up':<9} {fmt(q['hit_rate'], '.2f'):>8} {fmt(q['ttft_p50_s'], '.2f'):>9} "
-                  f"{fmt(q['ttft_p90_s'], '.2f'):>9} {fmt(q['output_tok_per_s'], '.2f'):>11} "
-                  f"{fmt(q['prefill_tokens'], '.2f'):>12}")
+            print(
+                f"{w:<10} {'k3/up':<9} {fmt(q['hit_rate'], '.2f'):>8} {fmt(q['ttft_p50_s'], '.2f'):>9} "
+                f"{fmt(q['ttft_p90_s'], '.2f'):>9} {fmt(q['output_tok_per_s'], '.2f'):>11} "
+                f"{fmt(q['prefill_tokens'], '.2f'):>12}"
+            )
     for w, g in greedy.items():
-        print(f"greedy {w}: {g['mismatches']} mismatches of {g['compared']} requests compared"
-              + (f", {g['missing']} missing on one side" if g["missing"] else ""))
+        print(
+            f"greedy {w}: {g['mismatches']} mismatches of {g['compared']} requests compared"
+            + (f", {g['missing']} missing on one side" if g["missing"] else "")
+        )
 
 
 def plot(records: list, path: str, title: str) -> None:
@@ -210,8 +251,12 @@ def plot(records: list, path: str, title: str) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in records))
     by = {(r["workload"], r["cache"]): r for r in records}
-    panels = [("hit_rate", "token hit rate"), ("ttft_p50_s", "TTFT p50 (s); whisker = p90"),
-              ("output_tok_per_s", "output tokens/s"), ("prefill_tokens", "prefill tokens computed")]
+    panels = [
+        ("hit_rate", "token hit rate"),
+        ("ttft_p50_s", "TTFT p50 (s); whisker = p90"),
+        ("output_tok_per_s", "output tokens/s"),
+        ("prefill_tokens", "prefill tokens computed"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     width = 0.38
     colors = {"k3": "#1f77b4", "upstream": "#ff7f0e"}
@@ -226,11 +271,12 @@ def plot(records: list, path: str, title: str) -> None:
                 ys.append(r[metric])
                 if metric == "ttft_p50_s":
                     err.append(max(0.0, (r["ttft_p90_s"] or r[metric]) - r[metric]))
-            bars = ax.bar(xs, ys, width, label=c, color=colors[c],
-                          yerr=[[0] * len(err), err] if err else None, capsize=3)
+            bars = ax.bar(
+                xs, ys, width, label=c, color=colors[c], yerr=[[0] * len(err), err] if err else None, capsize=3
+            )
             for b, y in zip(bars, ys):
-                ax.annotate(f"{y:.2f}" if metric != "prefill_tokens" else f"{int(y)}", (b.get_x() + b.get_width() / 2, y),
-                            ha="center", va="bottom", fontsize=7)
+                label = f"{y:.2f}" if metric != "prefill_tokens" else f"{int(y)}"
+                ax.annotate(label, (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(workloads)))
         ax.set_xticklabels(workloads)
         ax.set_title(label, fontsize=10)
@@ -284,20 +330,29 @@ def main(argv=None) -> int:
             print(f"SKIP trace workload: {skipped['trace']}", flush=True)
         else:
             try:
-                trace_slice = wl.build_trace_slice(args.trace, requests_n=args.trace_requests, window=args.trace_window,
-                                                   scale=args.trace_scale, max_output=args.trace_max_output)
+                trace_slice = wl.build_trace_slice(
+                    args.trace,
+                    requests_n=args.trace_requests,
+                    window=args.trace_window,
+                    scale=args.trace_scale,
+                    max_output=args.trace_max_output,
+                )
             except (TraceError, ValueError) as e:
                 print(f"error: trace workload: {e}", file=sys.stderr)
                 return 1
-            say(f"trace slice: {trace_slice.description['requests']} requests in "
-                f"{trace_slice.description['conversations']} conversations; {trace_slice.description['rule']}")
+            say(
+                f"trace slice: {trace_slice.description['requests']} requests in "
+                f"{trace_slice.description['conversations']} conversations; {trace_slice.description['rule']}"
+            )
     workloads = [w for w in args.workloads if w not in skipped]
     if not workloads:
         print("nothing to run: every selected workload was skipped", file=sys.stderr)
         return 2
 
-    servers = {c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir,
-                         log_prefix="live_ab") for c in CACHES}
+    servers = {
+        c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir, log_prefix="live_ab")
+        for c in CACHES
+    }
     records, outputs = [], {c: {} for c in CACHES}
     try:
         say("starting servers (both boot at once; 20-60 s each on a CPU):")
@@ -317,24 +372,46 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 if w == "gsp":
                     m, out = wl.run_bench_serving(
-                        s.url, c, model_dir, groups=args.gsp_groups, prompts_per_group=args.gsp_prompts_per_group,
-                        system_len=args.gsp_system_len, question_len=args.gsp_question_len,
-                        output_len=args.gsp_output_len, concurrency=args.gsp_concurrency, seed=args.seed,
-                        log_dir=log_dir, verbose=not args.quiet)
+                        s.url,
+                        c,
+                        model_dir,
+                        groups=args.gsp_groups,
+                        prompts_per_group=args.gsp_prompts_per_group,
+                        system_len=args.gsp_system_len,
+                        question_len=args.gsp_question_len,
+                        output_len=args.gsp_output_len,
+                        concurrency=args.gsp_concurrency,
+                        seed=args.seed,
+                        log_dir=log_dir,
+                        verbose=not args.quiet,
+                    )
                 elif w == "multiturn":
                     m, out = wl.run_multiturn(
-                        s.url, c, vocab, conversations=args.mt_conversations, turns=args.mt_turns,
-                        system_len=args.mt_system_len, first_len=args.mt_first_len, user_len=args.mt_user_len,
-                        reply_len=args.mt_reply_len, seed=args.seed, verbose=not args.quiet)
+                        s.url,
+                        c,
+                        vocab,
+                        conversations=args.mt_conversations,
+                        turns=args.mt_turns,
+                        system_len=args.mt_system_len,
+                        first_len=args.mt_first_len,
+                        user_len=args.mt_user_len,
+                        reply_len=args.mt_reply_len,
+                        seed=args.seed,
+                        verbose=not args.quiet,
+                    )
                 else:
-                    m, out = wl.run_trace(s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency,
-                                          verbose=not args.quiet)
+                    m, out = wl.run_trace(
+                        s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency, verbose=not args.quiet
+                    )
                 if not s.alive():
                     raise RuntimeError(f"server {c} died during {w}:\n{s.log_tail()}")
                 records.append({"workload": w, "cache": c, "order": order.index(c), **m})
                 outputs[c].update(out)
-                say(f"[{w}] on {c}: {m['requests']} requests in {time.time() - t0:.0f}s, hit rate "
-                    f"{fmt(m['hit_rate'])}, TTFT p50 {fmt(m['ttft_p50_s'])}s, {fmt(m['output_tok_per_s'], '.2f')} tok/s")
+                say(
+                    f"[{w}] on {c}: {m['requests']} requests in {time.time() - t0:.0f}s, hit rate "
+                    f"{fmt(m['hit_rate'])}, TTFT p50 {fmt(m['ttft_p50_s'])}s, "
+                    f"{fmt(m['output_tok_per_s'], '.2f')} tok/s"
+                )
     except (ServerStartError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -345,8 +422,10 @@ def main(argv=None) -> int:
     greedy = {}
     for w in workloads:
         pre = {"gsp": "gsp/", "multiturn": "conv", "trace": "trace/"}[w]
-        g = compare_outputs({k: v for k, v in outputs["k3"].items() if k.startswith(pre)},
-                            {k: v for k, v in outputs["upstream"].items() if k.startswith(pre)})
+        g = compare_outputs(
+            {k: v for k, v in outputs["k3"].items() if k.startswith(pre)},
+            {k: v for k, v in outputs["upstream"].items() if k.startswith(pre)},
+        )
         g["compares"] = "generated text (bench_serving returns no ids)" if w == "gsp" else "greedy output token ids"
         greedy[w] = g
     ratios = compute_ratios(records)
@@ -363,7 +442,7 @@ def main(argv=None) -> int:
             "server_args": {c: servers[c].args for c in CACHES},
             "server_start_s": {c: servers[c].start_seconds for c in CACHES},
             "launch_server_cpu_defaults": "see README (device cpu, torch_native, --max-total-tokens 8192, "
-                                          "--sleep-on-idle, ...)",
+            "--sleep-on-idle, ...)",
             "gsp": {k[4:]: v for k, v in vars(args).items() if k.startswith("gsp_")},
             "multiturn": {k[3:]: v for k, v in vars(args).items() if k.startswith("mt_")},
             "trace": (trace_slice.description | {"concurrency": args.trace_concurrency}) if trace_slice else None,
@@ -380,9 +459,12 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     if records:
-        plot(records, os.path.join(args.out, "live_ab.png"),
-             f"live A/B, k3 vs upstream cache ({os.path.basename(model_dir.rstrip('/'))}, "
-             f"{result['machine'].get('cpus_usable', '?')} CPUs, {time.strftime('%Y-%m-%d')})")
+        plot(
+            records,
+            os.path.join(args.out, "live_ab.png"),
+            f"live A/B, k3 vs upstream cache ({os.path.basename(model_dir.rstrip('/'))}, "
+            f"{result['machine'].get('cpus_usable', '?')} CPUs, {time.strftime('%Y-%m-%d')})",
+        )
     print_table(records, ratios, greedy)
     print(f"\nwrote {os.path.join(args.out, 'results.json')} and live_ab.png in {runtime:.0f}s", flush=True)
     bad = [w for w in ("multiturn", "trace") if w in greedy and (greedy[w]["mismatches"] or greedy[w]["missing"])]

@@ -23,6 +23,7 @@ Output: ``DIR/results.json``, one record per (policy, budget): ``policy``, ``bud
 (mean bytes of live checkpoints over the run, sampled after each request) and more; and
 ``DIR/hit_rate.png``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -162,9 +163,15 @@ def run_all(args, trace, cfg) -> list:
     _G.update(trace=trace, cfg=cfg, args=args)
     total = len(jobs) * len(trace)
     results = []
-    with tqdm(total=total, desc=f"replay {len(jobs)} runs x {len(trace)} requests", unit="req",
-              file=sys.stderr, disable=args.no_progress, smoothing=0.05,
-              mininterval=0.5 if sys.stderr.isatty() else 10.0) as bar:
+    with tqdm(
+        total=total,
+        desc=f"replay {len(jobs)} runs x {len(trace)} requests",
+        unit="req",
+        file=sys.stderr,
+        disable=args.no_progress,
+        smoothing=0.05,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+    ) as bar:
         if args.jobs <= 1 or len(jobs) == 1:
             _G["progress"] = bar.update
             for job in jobs:
@@ -205,13 +212,23 @@ def build_records(args, results) -> list:
                 "budget_independent": (p, None) in raw,
             }
             rec.update({k: v for k, v in out.items() if k not in rec})
-            rec.update(model_config=args.model_config, checkpoint_dtype=args.checkpoint_dtype,
-                       baseline_state_dtype=args.baseline_state_dtype,
-                       state_dtype=(args.checkpoint_dtype if p in ("k3", "k3-unified", "marconi")
-                                    else args.baseline_state_dtype if p in ("upstream", "vllm-align") else None),
-                       prefill_tflops=args.prefill_tflops, decode_ms_per_token=args.decode_ms_per_token,
-                       chunked_prefill_size=args.chunked_prefill_size, symbol_tokens=args.symbol_tokens,
-                       evict_watermark=args.evict_watermark)
+            rec.update(
+                model_config=args.model_config,
+                checkpoint_dtype=args.checkpoint_dtype,
+                baseline_state_dtype=args.baseline_state_dtype,
+                state_dtype=(
+                    args.checkpoint_dtype
+                    if p in ("k3", "k3-unified", "marconi")
+                    else args.baseline_state_dtype
+                    if p in ("upstream", "vllm-align")
+                    else None
+                ),
+                prefill_tflops=args.prefill_tflops,
+                decode_ms_per_token=args.decode_ms_per_token,
+                chunked_prefill_size=args.chunked_prefill_size,
+                symbol_tokens=args.symbol_tokens,
+                evict_watermark=args.evict_watermark,
+            )
             records.append(rec)
     return records
 
@@ -223,9 +240,13 @@ def plot(records, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"oracle": dict(ls="--", color="black"), "fa-budget": dict(ls=":", color="gray", marker="s"),
-              "k3": dict(marker="o", lw=3.5, alpha=0.75, zorder=1),
-              "k3-unified": dict(marker="o", ls="--", alpha=0.75), "marconi": dict(marker="^", ls="--", zorder=3)}
+    styles = {
+        "oracle": dict(ls="--", color="black"),
+        "fa-budget": dict(ls=":", color="gray", marker="s"),
+        "k3": dict(marker="o", lw=3.5, alpha=0.75, zorder=1),
+        "k3-unified": dict(marker="o", ls="--", alpha=0.75),
+        "marconi": dict(marker="^", ls="--", zorder=3),
+    }
     for p in dict.fromkeys(r["policy"] for r in records):
         rs = sorted((r for r in records if r["policy"] == p), key=lambda r: r["budget_gib"])
         xs, ys = [r["budget_gib"] for r in rs], [r["hit_rate"] for r in rs]
@@ -268,40 +289,83 @@ def parse_args(argv=None):
         "reports its fraction of both.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--trace", default=DEFAULT_TRACE,
-                    help="Mooncake-format JSONL: timestamp (ms), input_length, output_length, hash_ids "
-                         "(one per 512-token block). Default: %(default)s")
-    ap.add_argument("--policies", default=DEFAULT_POLICIES,
-                    help=f"comma-separated, from: {', '.join(POLICIES)} (default: %(default)s)")
-    ap.add_argument("--budgets-gib", default="10,20,40,80",
-                    help="comma-separated cache memory budgets in GiB (default: %(default)s)")
-    ap.add_argument("--model-config", default="kimi-linear-48b", choices=["tiny", "kimi-linear-48b", "k3"],
-                    help="state sizes and FLOPs (sglang_k3.cache.cost_model presets; default: %(default)s)")
-    ap.add_argument("--checkpoint-dtype", default="int8", choices=DTYPES,
-                    help="KDA recurrent-state dtype of k3 and marconi checkpoints (default: %(default)s)")
-    ap.add_argument("--baseline-state-dtype", default="fp32", choices=DTYPES,
-                    help="state dtype of upstream and vllm-align, which store the model's native "
-                         "state (default: %(default)s)")
+    ap.add_argument(
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL: timestamp (ms), input_length, output_length, hash_ids "
+        "(one per 512-token block). Default: %(default)s",
+    )
+    ap.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated, from: {', '.join(POLICIES)} (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--budgets-gib",
+        default="10,20,40,80",
+        help="comma-separated cache memory budgets in GiB (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--model-config",
+        default="kimi-linear-48b",
+        choices=["tiny", "kimi-linear-48b", "k3"],
+        help="state sizes and FLOPs (sglang_k3.cache.cost_model presets; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--checkpoint-dtype",
+        default="int8",
+        choices=DTYPES,
+        help="KDA recurrent-state dtype of k3 and marconi checkpoints (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--baseline-state-dtype",
+        default="fp32",
+        choices=DTYPES,
+        help="state dtype of upstream and vllm-align, which store the model's native state (default: %(default)s)",
+    )
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
-    ap.add_argument("--prefill-tflops", type=float, default=400.0,
-                    help="effective prefill rate in TFLOP/s for modelled TTFT (default: %(default)s)")
-    ap.add_argument("--decode-ms-per-token", type=float, default=20.0,
-                    help="decode time per output token; sets when a turn's output enters the cache "
-                         "(default: %(default)s)")
-    ap.add_argument("--chunked-prefill-size", type=int, default=8192,
-                    help="prefill chunk in tokens (chunk-end checkpoints; default: %(default)s)")
-    ap.add_argument("--upstream-mamba-ratio", type=float, default=0.9,
-                    help="upstream's mamba_full_memory_ratio: its state pool gets ratio/(1+ratio) of "
-                         "the budget (default: %(default)s, SGLang's fallback)")
-    ap.add_argument("--symbol-tokens", type=int, default=64,
-                    help="real tokens per simulated token; a divisor of 256 and multiple of 64 "
-                         "(default: %(default)s = the hit unit)")
-    ap.add_argument("--evict-watermark", type=float, default=0.02,
-                    help="when a pool is over budget, evict down to (1 - this) x budget, for every "
-                         "policy (default: %(default)s)")
+    ap.add_argument(
+        "--prefill-tflops",
+        type=float,
+        default=400.0,
+        help="effective prefill rate in TFLOP/s for modelled TTFT (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=20.0,
+        help="decode time per output token; sets when a turn's output enters the cache (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="prefill chunk in tokens (chunk-end checkpoints; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--upstream-mamba-ratio",
+        type=float,
+        default=0.9,
+        help="upstream's mamba_full_memory_ratio: its state pool gets ratio/(1+ratio) of "
+        "the budget (default: %(default)s, SGLang's fallback)",
+    )
+    ap.add_argument(
+        "--symbol-tokens",
+        type=int,
+        default=64,
+        help="real tokens per simulated token; a divisor of 256 and multiple of 64 "
+        "(default: %(default)s = the hit unit)",
+    )
+    ap.add_argument(
+        "--evict-watermark",
+        type=float,
+        default=0.02,
+        help="when a pool is over budget, evict down to (1 - this) x budget, for every policy (default: %(default)s)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                    help="parallel worker processes (default: %(default)s)")
+    ap.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel worker processes (default: %(default)s)"
+    )
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = ap.parse_args(argv)
 
@@ -345,31 +409,51 @@ def main(argv=None) -> int:
         return 2
     trace = to_symbolic(reqs, unit=args.symbol_tokens)
     t_conv = time.perf_counter() - t0
-    cfg = SimConfig(cost=preset(args.model_config), unit=args.symbol_tokens, checkpoint_dtype=args.checkpoint_dtype,
-                    baseline_state_dtype=args.baseline_state_dtype, chunked_prefill_size=args.chunked_prefill_size,
-                    upstream_mamba_ratio=args.upstream_mamba_ratio, evict_watermark=args.evict_watermark)
-    print(f"trace: {len(trace)} requests, {sum(trace.input_len):,} prompt tokens, "
-          f"{sum(1 for p in trace.parent if p >= 0)} continue an earlier turn (converted in {t_conv:.1f}s)",
-          file=sys.stderr)
+    cfg = SimConfig(
+        cost=preset(args.model_config),
+        unit=args.symbol_tokens,
+        checkpoint_dtype=args.checkpoint_dtype,
+        baseline_state_dtype=args.baseline_state_dtype,
+        chunked_prefill_size=args.chunked_prefill_size,
+        upstream_mamba_ratio=args.upstream_mamba_ratio,
+        evict_watermark=args.evict_watermark,
+    )
+    print(
+        f"trace: {len(trace)} requests, {sum(trace.input_len):,} prompt tokens, "
+        f"{sum(1 for p in trace.parent if p >= 0)} continue an earlier turn (converted in {t_conv:.1f}s)",
+        file=sys.stderr,
+    )
     results = run_all(args, trace, cfg)
     records = build_records(args, results)
     wall = time.perf_counter() - t0
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(trace=os.path.abspath(args.trace), requests=len(trace), wall_s=wall, jobs=args.jobs,
-                cpus=os.cpu_count(), python=platform.python_version(), machine=platform.machine())
+    meta = dict(
+        trace=os.path.abspath(args.trace),
+        requests=len(trace),
+        wall_s=wall,
+        jobs=args.jobs,
+        cpus=os.cpu_count(),
+        python=platform.python_version(),
+        machine=platform.machine(),
+    )
     for r in records:
         r["run"] = meta
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(records, f, indent=1)
-    title = (f"{os.path.basename(args.trace)} ({len(trace)} req), {args.model_config}, "
-             f"ckpt {args.checkpoint_dtype}, baselines {args.baseline_state_dtype}")
+    title = (
+        f"{os.path.basename(args.trace)} ({len(trace)} req), {args.model_config}, "
+        f"ckpt {args.checkpoint_dtype}, baselines {args.baseline_state_dtype}"
+    )
     plot(records, os.path.join(args.out, "hit_rate.png"), title)
-    print(f"{'policy':<11} {'GiB':>5} {'hit':>6} {'/oracle':>7} {'/fa-bud':>7} {'TTFT p50':>9} {'p90':>8} "
-          f"{'ckpt GiB':>8}")
+    print(
+        f"{'policy':<11} {'GiB':>5} {'hit':>6} {'/oracle':>7} {'/fa-bud':>7} {'TTFT p50':>9} {'p90':>8} {'ckpt GiB':>8}"
+    )
     for r in records:
-        print(f"{r['policy']:<11} {r['budget_gib']:>5g} {r['hit_rate']:>6.3f} {r['oracle_fraction']:>7.3f} "
-              f"{r['fa_budget_fraction']:>7.3f} {r['ttft_p50_s']:>9.3f} {r['ttft_p90_s']:>8.3f} "
-              f"{r['checkpoint_bytes'] / GiB:>8.2f}")
+        print(
+            f"{r['policy']:<11} {r['budget_gib']:>5g} {r['hit_rate']:>6.3f} {r['oracle_fraction']:>7.3f} "
+            f"{r['fa_budget_fraction']:>7.3f} {r['ttft_p50_s']:>9.3f} {r['ttft_p90_s']:>8.3f} "
+            f"{r['checkpoint_bytes'] / GiB:>8.2f}"
+        )
     print(f"wrote {os.path.join(args.out, 'results.json')} and hit_rate.png in {wall:.1f}s")
     return 0
 

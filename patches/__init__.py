@@ -11,6 +11,7 @@ One module per upstream symbol. Each module defines:
 (``sglang_k3.integration.plugin:load``) in every SGLang process; SGLang then applies the hooks.
 Modules are listed explicitly so the order is stable and a missing module fails loudly.
 """
+
 from __future__ import annotations
 
 import importlib

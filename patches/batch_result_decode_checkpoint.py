@@ -5,6 +5,7 @@ decode token; SGLang calls the tree cache during decode only to evict. This AFTE
 decode result processor asks the cache (``checkpoint_decode``, k3 only) to fork the state of
 requests whose committed length reached a multiple of the interval.
 """
+
 from __future__ import annotations
 
 TARGET = (

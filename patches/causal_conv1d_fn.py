@@ -1,4 +1,5 @@
 """CPU replacement for upstream's Triton varlen causal conv1d (KDA/Mamba prefill)."""
+
 from __future__ import annotations
 
 from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_varlen_torch

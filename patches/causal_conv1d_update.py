@@ -1,4 +1,5 @@
 """CPU replacement for upstream's Triton causal conv1d update (KDA/Mamba decode)."""
+
 from __future__ import annotations
 
 from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_update_torch

@@ -13,6 +13,7 @@ does nothing.
 The same hook runs the quantized checkpoint restores the cache deferred to this forward, all in
 one launch, before the first KDA layer reads the pool (``sglang_k3/state/deferred_restore.py``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ an extend as recorded, this AROUND hook sets ``return_intermediate_states=True``
 the layer's pre-conv rows to the stash (which copies out only the planned boundary rows; the full
 tensors are released when the layer returns) and returns the output alone, as the caller expects.
 """
+
 from __future__ import annotations
 
 from sglang_k3.state.export_context import CURRENT_EXTEND

@@ -5,6 +5,7 @@ KDA kernel backend, so the methods are replaced in place (``supports_*`` flags s
 on a non-``is_cpu()`` host ``supports_packed_decode`` is True and decode goes through
 ``packed_decode``; under ``SGLANG_USE_CPU_ENGINE=1`` it is False and goes through ``decode``).
 """
+
 from __future__ import annotations
 
 from sglang_k3.kernels.kda.pool_ops import (
@@ -125,8 +126,7 @@ def packed_decode_cpu(
 
 def target_verify_cpu(self, *args, **kwargs):
     raise NotImplementedError(
-        "KDA speculative target_verify is not available on the CPU path "
-        "(serve without speculative decoding)"
+        "KDA speculative target_verify is not available on the CPU path (serve without speculative decoding)"
     )
 
 

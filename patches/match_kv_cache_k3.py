@@ -7,6 +7,7 @@ earlier) and the KV match length come from the tree's record of that very lookup
 the ``Req`` as ``k3_match`` for the output streamer (``meta_info``). Only the match that admits
 a request (``cow_mamba=True``) is recorded; scheduling-policy probes are not.
 """
+
 from __future__ import annotations
 
 TARGET = "sglang.srt.mem_cache.common.match_kv_cache"

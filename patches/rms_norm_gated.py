@@ -1,4 +1,5 @@
 """CPU replacement for upstream's Triton gated RMSNorm (the KDA output norm, ``o_norm``)."""
+
 from __future__ import annotations
 
 from sglang_k3.kernels.kda.gated_rmsnorm_torch import rms_norm_gated_torch

@@ -6,12 +6,10 @@ at startup. No registry contributes to it, so an after-hook adds one entry, ``k3
 (:func:`sglang_k3.integration.observability.server_snapshot`), when the scheduler's cache is k3.
 The same snapshot refreshes the ``sglang_k3_*`` Prometheus series, so both read alike.
 """
+
 from __future__ import annotations
 
-TARGET = (
-    "sglang.srt.managers.scheduler_components.internal_state."
-    "SchedulerInternalStateController.get_internal_state"
-)
+TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 REASON = "/server_info has no extension point for a radix-cache backend's live counters"
 UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = False

@@ -8,6 +8,7 @@ the k3 cache this after-hook returns that subclass
 (:class:`sglang_k3.integration.observability.K3OutputStreamerMixin` over whatever class was
 selected). Upstream refuses extra fields with the Rust egress, so it is left alone there.
 """
+
 from __future__ import annotations
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"

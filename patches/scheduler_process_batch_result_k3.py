@@ -14,11 +14,14 @@
    served a request is over. The refresh compares a few dozen ints and writes only what changed;
    it is a no-op without ``--enable-metrics`` or k3.
 """
+
 from __future__ import annotations
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
-REASON = ("the k3 cache batches a step's checkpoint stores into one launch, and its Prometheus "
-          "series must follow the cache, not upstream's log interval")
+REASON = (
+    "the k3 cache batches a step's checkpoint stores into one launch, and its Prometheus "
+    "series must follow the cache, not upstream's log interval"
+)
 UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = False
 

@@ -18,6 +18,7 @@ batch (``obj[i]`` per item) and ``/v1/completions`` with token-id prompts (``inp
 A ``ValueError`` from this validator becomes a 400 response, like upstream's context-length check
 in the same function.
 """
+
 from __future__ import annotations
 
 from numbers import Integral
@@ -48,12 +49,13 @@ def _reject_empty(input_ids) -> None:
 
 
 def _reject_out_of_vocab(input_ids, vocab_size: int) -> None:
-    bad = next(((i, t) for i, t in enumerate(input_ids)
-                if not (isinstance(t, Integral) and 0 <= t < vocab_size)), None)
+    bad = next(((i, t) for i, t in enumerate(input_ids) if not (isinstance(t, Integral) and 0 <= t < vocab_size)), None)
     if bad is not None:
         i, t = bad
-        raise ValueError(f"input_ids[{i}] = {t!r} is out of range: token ids must be integers in "
-                         f"[0, {vocab_size}), the rows of the model's embedding table.")
+        raise ValueError(
+            f"input_ids[{i}] = {t!r} is out of range: token ids must be integers in "
+            f"[0, {vocab_size}), the rows of the model's embedding table."
+        )
 
 
 def register() -> None:

@@ -6,6 +6,7 @@
 With no dimension flags the result is identical to what `python -m sglang_k3.launch_server`
 serves by default.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (created; files are overwritten)")
     for f in dataclasses.fields(TinyK3Spec):
-        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
-                       help=f"(default: {f.default})")
+        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"(default: {f.default})")
     args = p.parse_args(argv)
     spec = TinyK3Spec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyK3Spec)})
     if spec.num_layers < spec.kda_every or spec.hidden_size <= 0 or spec.experts_per_token > spec.num_experts:

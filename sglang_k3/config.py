@@ -8,6 +8,7 @@ from ``ServerArgs``, which has no room for extension flags, so ``launch_server``
 config in the environment variable ``SGLANG_K3_CONFIG`` (JSON), which child processes inherit;
 :func:`from_env` reads it back (defaults when unset, e.g. under ``sglang.launch_server``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,9 @@ class K3Config:
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
-            raise ValueError(f"checkpoint dtype {self.checkpoint_dtype!r}: "
-                             f"choose one of {', '.join(CHECKPOINT_DTYPES)}")
+            raise ValueError(
+                f"checkpoint dtype {self.checkpoint_dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}"
+            )
         for name in ("checkpoint_budget", "decode_checkpoint_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")

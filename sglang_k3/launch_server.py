@@ -4,6 +4,7 @@ Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists o
 With no ``--model-path``, the embedded tiny K3-architecture model is built (once) and served.
 On a machine without CUDA the CPU serving defaults are added; any flag you give wins.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,10 @@ from sglang_k3.integration.k3_args import K3Config, add_k3_args, from_namespace
 PROG = "python -m sglang_k3.launch_server"
 USAGE = "%(prog)s [-h] [sglang-k3 options] [SGLang options]"
 SGLANG_HEADING = "SGLang options"
-SGLANG_POINTER = ("The options of sglang.launch_server, passed through unchanged\n"
-                  "(`python -m sglang.launch_server --help` lists the same).")
+SGLANG_POINTER = (
+    "The options of sglang.launch_server, passed through unchanged\n"
+    "(`python -m sglang.launch_server --help` lists the same)."
+)
 
 # Defaults that make the hybrid KDA/MLA path serve on CPU (see README, "CPU serving").
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
@@ -80,8 +83,9 @@ def print_help() -> None:
     instead of listing every flag (argparse's own would run to hundreds of lines)."""
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(prog=PROG, usage=USAGE, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, usage=USAGE, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_k3_args(parser)
     # Argument groups print in the order they are made, so SGLang's come after ours.
     ServerArgs.add_cli_args(parser.add_argument_group(SGLANG_HEADING, SGLANG_POINTER))

@@ -3,6 +3,7 @@
 A CPU server start costs 20-60 s, so servers are session-scoped and started lazily: a test run
 that selects only unit tests starts none.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,18 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3": ["--k3-checkpoint-dtype", "fp32"],
     # Small prefill chunks, small pools, a decode checkpoint every 8 tokens: chunk and decode
     # checkpoints, recycling and eviction all happen.
-    "k3_small": ["--k3-checkpoint-dtype", "fp32", "--chunked-prefill-size", "96", "--max-total-tokens", "1536",
-                 "--max-mamba-cache-size", "12", "--k3-decode-checkpoint-interval", "8"],
+    "k3_small": [
+        "--k3-checkpoint-dtype",
+        "fp32",
+        "--chunked-prefill-size",
+        "96",
+        "--max-total-tokens",
+        "1536",
+        "--max-mamba-cache-size",
+        "12",
+        "--k3-decode-checkpoint-interval",
+        "8",
+    ],
     # The user-facing default: int8 checkpoints in their own pool (small, so it evicts).
     "k3_int8": ["--k3-checkpoint-slots", "16"],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).

@@ -1,21 +1,38 @@
 """Real SGLang pools on the CPU, small, for tests that build the cache's state layer directly."""
+
 from __future__ import annotations
 
 
-def hybrid_pool(layers, *, heads: int, head_dim: int, conv_kernel: int, mamba_size: int = 12, size: int = 4,
-                max_context_len: int = 64):
+def hybrid_pool(
+    layers,
+    *,
+    heads: int,
+    head_dim: int,
+    conv_kernel: int,
+    mamba_size: int = 12,
+    size: int = 4,
+    max_context_len: int = 64,
+):
     """A ``HybridReqToTokenPool`` (request rows + the KDA mamba pool) for the KDA layer ids
     ``layers``, as SGLang builds it for a Kimi-Linear model under ``no_buffer``."""
     from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
-    shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=heads, head_dim=head_dim,
-                                        conv_kernel_size=conv_kernel)
+    shape = KimiLinearStateShape.create(
+        tp_world_size=1, num_heads=heads, head_dim=head_dim, conv_kernel_size=conv_kernel
+    )
     params = KimiLinearCacheParams(shape=shape, layers=list(layers))
     return HybridReqToTokenPool(
-        size=size, mamba_size=mamba_size, mamba_spec_state_size=0, max_context_len=max_context_len,
-        device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(layers),
-        enable_mamba_extra_buffer=False, enable_overlap_schedule=False,
+        size=size,
+        mamba_size=mamba_size,
+        mamba_spec_state_size=0,
+        max_context_len=max_context_len,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=list(layers),
+        enable_mamba_extra_buffer=False,
+        enable_overlap_schedule=False,
     )
 
 

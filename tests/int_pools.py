@@ -3,6 +3,7 @@
 They catch the bugs the tree must never cause: double free, use of a freed slot, and a write to a
 slot the tree holds as a shared checkpoint (each write bumps a version; a reader that saw version
 v at pin time checks it again when its copy lands)."""
+
 from __future__ import annotations
 
 

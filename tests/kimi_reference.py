@@ -5,6 +5,7 @@ architecture (KDA with short conv and gated norm, MLA without RoPE, sigmoid-rout
 shared expert) in fp32, full sequence at once. The KDA recurrence is fla's pure-torch
 ``naive_recurrent_kda``. This is the oracle the server's logits and greedy tokens are checked against.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,13 @@ class KimiLinearReference:
         g = -torch.exp(w[f"{p}.A_log"].reshape(1, H, 1)) * F.softplus(f.reshape(T, H, D))
         beta = torch.sigmoid(x @ w[f"{p}.b_proj.weight"].T)  # [T, H]
         o, _ = naive_recurrent_kda(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-            scale=D ** -0.5, output_final_state=False,
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.unsqueeze(0),
+            beta.unsqueeze(0),
+            scale=D**-0.5,
+            output_final_state=False,
         )
         o = o[0]  # [T, H, D]
         gate = ((x @ w[f"{p}.g_a_proj.weight"].T) @ w[f"{p}.g_b_proj.weight"].T).reshape(T, H, D)
@@ -54,8 +60,13 @@ class KimiLinearReference:
 
     def _mla(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w, c = self.w, self.cfg
-        H, nope, rope, vd, r = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                                c["v_head_dim"], c["kv_lora_rank"])
+        H, nope, rope, vd, r = (
+            c["num_attention_heads"],
+            c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"],
+            c["v_head_dim"],
+            c["kv_lora_rank"],
+        )
         T = x.shape[0]
         q = (x @ w[f"{p}.q_proj.weight"].T).reshape(T, H, nope + rope)
         ckv = x @ w[f"{p}.kv_a_proj_with_mqa.weight"].T
@@ -65,14 +76,18 @@ class KimiLinearReference:
         k = torch.cat([kv[..., :nope], k_rot.unsqueeze(1).expand(T, H, rope)], -1)
         v = kv[..., nope:]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
             scale=(nope + rope) ** -0.5,
         ).transpose(0, 1)
         return o.reshape(T, H * vd) @ w[f"{p}.o_proj.weight"].T
 
     def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        return (F.silu(x @ w[f"{p}.gate_proj.weight"].T) * (x @ w[f"{p}.up_proj.weight"].T)) @ w[f"{p}.down_proj.weight"].T
+        gate, up, down = (w[f"{p}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w, c = self.w, self.cfg
@@ -102,11 +117,12 @@ class KimiLinearReference:
             h = _rms(x, w[f"{p}.input_layernorm.weight"], self.eps)
             x = x + (self._kda(f"{p}.self_attn", h) if i in self.kda_layers else self._mla(f"{p}.self_attn", h))
             h = _rms(x, w[f"{p}.post_attention_layernorm.weight"], self.eps)
-            x = x + (self._mlp(f"{p}.mlp", h) if i < c["first_k_dense_replace"] else self._moe(f"{p}.block_sparse_moe", h))
+            dense = i < c["first_k_dense_replace"]
+            x = x + (self._mlp(f"{p}.mlp", h) if dense else self._moe(f"{p}.block_sparse_moe", h))
         return _rms(x, w["model.norm.weight"], self.eps) @ w["lm_head.weight"].T
 
     def greedy(self, ids: list[int], n: int) -> list[int]:
         out = list(ids)
         for _ in range(n):
             out.append(int(self.logits(out)[-1].argmax()))
-        return out[len(ids):]
+        return out[len(ids) :]

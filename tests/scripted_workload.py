@@ -1,4 +1,5 @@
 """The differential scripts live in ``benchmarks/live/differential.py`` (shared with the soak)."""
+
 import os
 import sys
 

@@ -1,6 +1,7 @@
 """Start and stop real ``sglang_k3.launch_server`` processes for the tests.
 
 The implementation is shared with the live A/B benchmark: ``benchmarks/live/server.py``."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Bad requests get a clear 4xx and the server keeps serving."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ def _assert_still_serving(s):
 
 
 def _post(s, body=None, data=None):
-    return requests.post(s.url + "/generate", json=body, data=data, timeout=120,
-                         headers={"Content-Type": "application/json"})
+    return requests.post(
+        s.url + "/generate", json=body, data=data, timeout=120, headers={"Content-Type": "application/json"}
+    )
 
 
 def test_empty_prompt(server_factory):
@@ -80,8 +82,9 @@ def test_out_of_vocab_id_in_a_batch(server_factory):
 def test_out_of_vocab_id_in_openai_completion(server_factory):
     s = server_factory("upstream")
     model = requests.get(s.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    r = requests.post(s.url + "/v1/completions", json={"model": model, "prompt": [72, -5, 105], "max_tokens": 4},
-                      timeout=120)
+    r = requests.post(
+        s.url + "/v1/completions", json={"model": model, "prompt": [72, -5, 105], "max_tokens": 4}, timeout=120
+    )
     _assert_names_bad_id(r, -5)
     _assert_still_serving(s)
 

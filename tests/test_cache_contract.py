@@ -1,5 +1,6 @@
 """The k3 cache against SGLang's scheduler contract, on real SGLang objects (pools, ``Req``,
 ``RadixKey``) on the CPU, for paths a server test cannot provoke on demand."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """CheckpointPool: lifecycle (alloc, store, free), read-only sealing, COW restore, fp32 bit-exactness,
 int8 accuracy on a real KDA continuation, NaN/Inf refusal, chunk_kda-style export per layer,
 memory accounting, and upstream MambaPool tensors as the active side."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ def rel(a, b):
 
 
 # ---------------------------------------------------------------- lifecycle
+
 
 def test_alloc_free_and_exhaustion():
     t, c = make_active()
@@ -80,7 +82,7 @@ def test_fp32_round_trip_bit_exact_and_cow():
 def test_bf16_and_int8_round_trip_bounds():
     t, c = make_active(seed=2)
     orig = t.clone()
-    for dtype, bound in (("bf16", 2 ** -8), ("int8", 0.01)):
+    for dtype, bound in (("bf16", 2**-8), ("int8", 0.01)):
         pool = CheckpointPool.from_active(t, c, num_slots=2, dtype=dtype)
         s = pool.alloc(1)
         pool.store([3], s)
@@ -114,8 +116,9 @@ def test_memory_per_slot():
     t, c = make_active()
     for d in ("int8", "bf16", "fp32"):
         p = CheckpointPool.from_active(t, c, num_slots=3, dtype=d)
-        est = CheckpointPool.estimate_bytes_per_slot(num_layers=3, num_heads=2, head_v_dim=16, head_k_dim=16,
-                                                     conv_numel=144, dtype=d)
+        est = CheckpointPool.estimate_bytes_per_slot(
+            num_layers=3, num_heads=2, head_v_dim=16, head_k_dim=16, conv_numel=144, dtype=d
+        )
         real = sum(x[0].numel() * x.element_size() for x in (p.q, p.scale, p.conv) if x is not None)
         assert p.bytes_per_slot == est == real
 
@@ -142,7 +145,7 @@ def test_store_from_intermediate_seals_after_all_layers():
         # what the restore gave back: the bf16 state (int8 round trip) and the conv window
         want = hs[layer][0, 2].float().transpose(-1, -2)
         assert rel(t[layer, 0], want) < 0.01
-        assert torch.equal(c[layer, 0], streams[layer][128 - W:128])
+        assert torch.equal(c[layer, 0], streams[layer][128 - W : 128])
 
 
 def test_store_from_intermediate_rejects_nonfinite_layer():
@@ -151,8 +154,9 @@ def test_store_from_intermediate_rejects_nonfinite_layer():
     slots = pool.alloc(2)
     h = torch.randn(1, 4, 2, 16, 16).to(torch.bfloat16)
     h[0, 3, 1, 0, 0] = float("inf")
-    res = pool.store_from_intermediate(0, h, [1, 3], slots, conv_src=torch.randn(256, 16).bfloat16(),
-                                       token_ends=[64, 192])
+    res = pool.store_from_intermediate(
+        0, h, [1, 3], slots, conv_src=torch.randn(256, 16).bfloat16(), token_ends=[64, 192]
+    )
     assert res.accepted == [True, False]
     assert pool.available_size() == 1  # the refused slot went back
 
@@ -170,10 +174,8 @@ def test_int8_restore_continues_in_full_precision_on_real_kda():
     g = F.logsigmoid(torch.randn(B, T, H, D, generator=gen) * 2 + torch.linspace(-1, 5, D))
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     cut = 96
-    _, S = naive_recurrent_kda(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut],
-                               output_final_state=True)
-    o_ref, _ = naive_recurrent_kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
-                                   initial_state=S)
+    _, S = naive_recurrent_kda(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], output_final_state=True)
+    o_ref, _ = naive_recurrent_kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=S)
     temporal = torch.zeros(1, 3, H, D, D)
     temporal[0, 0] = S[0].transpose(-1, -2)  # upstream [H, V, K]
     outs = {}
@@ -183,8 +185,9 @@ def test_int8_restore_continues_in_full_precision_on_real_kda():
         assert pool.store([0], s).all_ok
         pool.restore(s, [1])
         S1 = temporal[0, 1].transpose(-1, -2).unsqueeze(0).contiguous()
-        outs[dtype], _ = naive_recurrent_kda(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
-                                             initial_state=S1)
+        outs[dtype], _ = naive_recurrent_kda(
+            q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], initial_state=S1
+        )
     assert torch.equal(outs["fp32"], o_ref)
     drift = rel(outs["int8"], o_ref)
     print(f"int8 restore: relative output drift over {T - cut} tokens {drift:.4g}")

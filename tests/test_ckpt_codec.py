@@ -1,6 +1,7 @@
 """The checkpoint codec: round-trip bounds of the references on random and real KDA states,
 fp32 bit-exactness, NaN/Inf refusal, the chunk_kda export path, and Triton == reference
 (through Triton's interpreter on CPU, and compiled on CUDA when present)."""
+
 import os
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def ckpt_bufs(n, L, H, V, Kd, dtype, conv_numel=120):
 
 # ---------------------------------------------------------------- reference round-trip bounds
 
+
 def test_int8_elementwise_bound_random():
     x = torch.randn(3, 4, 64, 32) * torch.rand(3, 4, 1, 32) * 10
     q, s = R.quantize_tile(x)
@@ -85,7 +87,7 @@ def test_int8_and_bf16_bounds_on_real_kda_states(kda_states):
     e16 = rel(x.to(torch.bfloat16), x)
     print(f"real KDA states: int8 rel err {e8:.4g}, bf16 rel err {e16:.4g}")
     assert e8 < 0.012
-    assert e16 < 2 ** -8
+    assert e16 < 2**-8
     # readout error: what a restored state does to the next output q^T S
     qv = F.normalize(torch.randn(x.shape[0], x.shape[1], x.shape[-1]), dim=-1)
     o = torch.einsum("bhvk,bhk->bhv", x, qv)
@@ -126,7 +128,7 @@ def test_bf16_ckpt_round_trip():
     assert not K.copy_to_ckpt(t, c, [0, 1, 2], q, cc, [0, 1, 2]).any()
     y, yc = torch.zeros_like(t), torch.zeros_like(c)
     K.copy_from_ckpt(q, cc, [0, 1, 2], y, yc, [0, 1, 2])
-    assert ((y - t).abs() <= t.abs() * 2 ** -8 + 1e-30).all()
+    assert ((y - t).abs() <= t.abs() * 2**-8 + 1e-30).all()
     assert torch.equal(yc, c)
 
 
@@ -174,8 +176,9 @@ def test_store_intermediate_matches_store_of_same_state(state_v_first, dtype):
     h = torch.randn(B, NT, H, D, D).to(torch.bfloat16)
     stream = torch.randn(B * NT * 64, Dc).to(torch.bfloat16)
     q, s, cc = ckpt_bufs(3, 2, H, D, D, dtype, conv_numel=W * Dc)
-    bad = K.store_intermediate(h, [4, 1], 1, q, s, [2, 0], state_v_first=state_v_first,
-                               conv_src=stream, token_ends=[128, 300], dst_conv=cc)
+    bad = K.store_intermediate(
+        h, [4, 1], 1, q, s, [2, 0], state_v_first=state_v_first, conv_src=stream, token_ends=[128, 300], dst_conv=cc
+    )
     assert not bad.any()
     hf = h.reshape(-1, H, D, D)
     for slot, ci, te in ((2, 4, 128), (0, 1, 300)):
@@ -185,7 +188,7 @@ def test_store_intermediate_matches_store_of_same_state(state_v_first, dtype):
             assert torch.equal(q[slot, 1], q8) and torch.equal(s[slot, 1], s8)
         else:
             assert torch.equal(q[slot, 1], st.to(dtype))  # bf16 -> fp32/bf16 is exact
-        assert torch.equal(cc[slot, 1].view(W, Dc), stream[te - W:te])
+        assert torch.equal(cc[slot, 1].view(W, Dc), stream[te - W : te])
         assert (q[slot, 0] == 0).all()  # other layers untouched
     h[1, 1, 0, 0, 0] = float("nan")
     bad = K.store_intermediate(h, [4, 1], 0, q, s, [2, 0], state_v_first=state_v_first)
@@ -269,8 +272,7 @@ def test_triton_kernels_equal_reference_in_interpreter():
     the CUDA test below covers it."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "INTERP_OK" in r.stdout, r.stderr[-4000:]
 
 
@@ -362,6 +364,12 @@ def test_cuda_chunk_kda_intermediate_contract():
         assert h.shape == (1, 8, 4, 128, 128) and h.dtype == torch.bfloat16
         assert (h[0, 0] == 0).all()
         for i in (1, 3, 7):
-            _, st = fla_kda.chunk_kda(q[:, :64 * i], k[:, :64 * i], v[:, :64 * i], g[:, :64 * i],
-                                      beta[:, :64 * i], output_final_state=True)
+            _, st = fla_kda.chunk_kda(
+                q[:, : 64 * i],
+                k[:, : 64 * i],
+                v[:, : 64 * i],
+                g[:, : 64 * i],
+                beta[:, : 64 * i],
+                output_final_state=True,
+            )
             assert rel(h[0, i], st[0]) < 1e-2

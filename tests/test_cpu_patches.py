@@ -6,6 +6,7 @@ The reference is computed independently: a direct per-token causal convolution a
 ``naive_recurrent_kda`` over each request's whole token stream (prefill + continuation + decode).
 Seeds are fixed per test.
 """
+
 from __future__ import annotations
 
 import sys
@@ -201,10 +202,8 @@ def _reference(x_tokens, a_tokens, b_tokens, layer):
     kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     z = a_tokens.view(1, T, H, K) + layer.dt_bias.view(H, K)
     g = -torch.exp(layer.A_log.view(H, 1)) * F.softplus(z)
-    o, s = naive_recurrent_kda(
-        qn, kn, v, g, torch.sigmoid(b_tokens.view(1, T, H)), output_final_state=True
-    )
-    return o[0], s[0], full[-(W - 1):]
+    o, s = naive_recurrent_kda(qn, kn, v, g, torch.sigmoid(b_tokens.view(1, T, H)), output_final_state=True)
+    return o[0], s[0], full[-(W - 1) :]
 
 
 @pytest.mark.parametrize("packed_decode", [True, False])
@@ -217,11 +216,21 @@ def test_upstream_kda_backend_extend_and_decode_on_cpu(patched, packed_decode):
     kt = mods["sglang.srt.layers.attention.linear.kernels.kda_triton"].TritonKDAKernel
     gen = torch.Generator().manual_seed(41)
     layer = types.SimpleNamespace(
-        layer_id=0, q_dim=H * K, k_dim=H * K, v_dim=H * V, head_q_dim=K, head_k_dim=K,
-        head_v_dim=V, num_v_heads=H, num_q_heads=H, num_k_heads=H,
-        conv_weights=torch.randn(DIM, W, generator=gen) * 0.5, bias=None,
+        layer_id=0,
+        q_dim=H * K,
+        k_dim=H * K,
+        v_dim=H * V,
+        head_q_dim=K,
+        head_k_dim=K,
+        head_v_dim=V,
+        num_v_heads=H,
+        num_q_heads=H,
+        num_k_heads=H,
+        conv_weights=torch.randn(DIM, W, generator=gen) * 0.5,
+        bias=None,
         A_log=torch.randn(1, 1, H, 1, generator=gen) * 0.5,
-        dt_bias=torch.randn(H * K, generator=gen), lower_bound=None,
+        dt_bias=torch.randn(H * K, generator=gen),
+        lower_bound=None,
     )
     slots_n = 5
     conv_pool = torch.randn(slots_n, W - 1, DIM, generator=gen)  # stale garbage in the conv slots

@@ -1,6 +1,7 @@
 """Deferred, batched restores of quantized checkpoints (``sglang_k3/state/deferred_restore.py``),
 against a real CheckpointPool on CPU: a flush writes exactly what eager restores write, in one call,
 and dropped or replaced entries are not restored."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,10 +5,10 @@ concurrently, repeated prompts, prompts ending mid-chunk) run against ``k3`` ser
 ``--disable-radix-cache`` server. ``k3_small`` uses 96-token prefill chunks and small KV and state
 pools, so chunk checkpoints, recycling and eviction all happen. Seeds are recorded in the test ids.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from scripted_workload import compare, make_script, run_script
 
 SEEDS = [101, 202]

@@ -4,10 +4,10 @@ The same interleaved conversations (shared system prompt, 4 turns, prompts longe
 chunk) must give identical greedy tokens with SGLang's default hybrid cache and with
 ``--disable-radix-cache``; later turns must report cached tokens.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from workloads import run_conversations
 
 SEEDS = [7, 8]

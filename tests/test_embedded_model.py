@@ -3,6 +3,7 @@
 Unit tests, no server: ``default_model_path`` with ``SGLANG_K3_HOME`` set to a temporary
 directory. A small spec keeps each build well under a second; the logic does not depend on size.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,20 @@ from sglang_k3.model import tiny_build
 from sglang_k3.model.tiny_build import ENV_HOME, LOCK, MANIFEST, default_model_path, verify
 from sglang_k3.model.tiny_spec import TinyK3Spec
 
-SPEC = TinyK3Spec(hidden_size=32, num_layers=4, kda_heads=1, kda_head_dim=16, mla_heads=1, kv_lora_rank=16,
-                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_experts=2,
-                  moe_intermediate_size=16, intermediate_size=32)
+SPEC = TinyK3Spec(
+    hidden_size=32,
+    num_layers=4,
+    kda_heads=1,
+    kda_head_dim=16,
+    mla_heads=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    num_experts=2,
+    moe_intermediate_size=16,
+    intermediate_size=32,
+)
 
 
 @pytest.fixture
@@ -145,8 +157,10 @@ def test_concurrent_starts_on_a_broken_directory_agree(home, fresh_manifest, tmp
             time.sleep(0.01)
         print(default_model_path(TinyK3Spec(**{dataclasses.asdict(SPEC)!r})))
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]

@@ -1,4 +1,5 @@
 """The HTTP surface users rely on, against a real server with upstream's hybrid cache."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,7 @@ def test_openai_completions_and_chat(server_factory):
     r.raise_for_status()
     body = r.json()
     assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["text"] is not None
-    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6,
-            "temperature": 0}
+    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}
     r = requests.post(s.url + "/v1/chat/completions", json=body, timeout=120)
     r.raise_for_status()
     chat = r.json()
@@ -56,11 +56,35 @@ def test_openai_completions_and_chat(server_factory):
 def test_bench_serving_generated_shared_prefix(server_factory, embedded_model_dir, tmp_path):
     s = server_factory("upstream")
     out = tmp_path / "bench.jsonl"
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", s.url,
-           "--dataset-name", "generated-shared-prefix", "--tokenizer", embedded_model_dir,
-           "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "160",
-           "--gsp-question-len", "24", "--gsp-output-len", "6", "--num-prompts", "6",
-           "--output-file", str(out), "--seed", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang",
+        "--base-url",
+        s.url,
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--tokenizer",
+        embedded_model_dir,
+        "--gsp-num-groups",
+        "2",
+        "--gsp-prompts-per-group",
+        "3",
+        "--gsp-system-prompt-len",
+        "160",
+        "--gsp-question-len",
+        "24",
+        "--gsp-output-len",
+        "6",
+        "--num-prompts",
+        "6",
+        "--output-file",
+        str(out),
+        "--seed",
+        "5",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rec = json.loads(out.read_text().splitlines()[-1])

@@ -6,6 +6,7 @@ the planner, and for the stores a real SGLang ``HybridReqToTokenPool`` on CPU wi
 ``NativeSlotStore`` / ``QuantizedStore``, compared with a store from the full tensors (what the
 stash did before it kept only candidates).
 """
+
 from __future__ import annotations
 
 import gc
@@ -42,9 +43,7 @@ PLANNED = {("a", 128), ("a", 256), ("b", 192), ("d", 192)}
 def _planner(policy: PlacementPolicy):
     prompt = {rid: p for rid, _, _, _, p, _ in BATCH}
     branch = {rid: bp for rid, _, _, _, _, bp in BATCH if bp is not None}
-    return lambda rid, seq: list(
-        policy.export_candidates(seq.grid(), seq.end, prompt.get(rid), branch.get(rid))
-    )
+    return lambda rid, seq: list(policy.export_candidates(seq.grid(), seq.end, prompt.get(rid), branch.get(rid)))
 
 
 def _exports(seed: int, h_dtype=torch.float32, conv_dtype=torch.bfloat16):
@@ -62,7 +61,8 @@ def _begin(stash: ExportStash, batch_key: int, layer_id: int, rids=True) -> None
     if stash.starts_forward(batch_key, layer_id):
         stash.begin(
             batch_key,
-            [s for _, s, _, _, _, _ in BATCH], [p for _, _, p, _, _, _ in BATCH],
+            [s for _, s, _, _, _, _ in BATCH],
+            [p for _, _, p, _, _, _ in BATCH],
             [n for _, _, _, n, _, _ in BATCH],
             rids=[r for r, *_ in BATCH] if rids else None,
         )
@@ -107,7 +107,7 @@ def test_keeps_only_planned_rows_as_copies(h_dtype):
     kept = set()
     for rid, slot, pre, n, _, _ in BATCH:
         seq = stash.lookup(slot, pre + n) if slot >= 0 else None
-        for pos in (seq.grid() if seq else []):
+        for pos in seq.grid() if seq else []:
             j = stash.row(seq, pos)
             if (rid, pos) not in PLANNED:
                 assert j is None, (rid, pos)
@@ -279,8 +279,9 @@ def test_quantized_store_equals_a_store_from_the_full_tensors(pool_and_stash, dt
         want = ref.alloc(1)
         for layer in LAYERS:
             h, mixed_qkv = full[layer]
-            res = ref.store_from_intermediate(rtp.mamba_map[layer], h, [chunk], want, state_v_first=True,
-                                              conv_src=mixed_qkv, token_ends=[end])
+            res = ref.store_from_intermediate(
+                rtp.mamba_map[layer], h, [chunk], want, state_v_first=True, conv_src=mixed_qkv, token_ends=[end]
+            )
             assert res.all_ok
         assert torch.equal(store.pool.q[dst], ref.q[want[0]])
         if ref.scale is not None:
@@ -289,8 +290,10 @@ def test_quantized_store_equals_a_store_from_the_full_tensors(pool_and_stash, dt
         active = slots.alloc()  # a hit restores it: the conv window comes back exactly
         store.pool.restore([dst], [active])
         for layer in LAYERS:
-            assert torch.equal(rtp.mamba2_layer_cache(layer).conv[0][active],
-                               full[layer][1][end - WIDTH : end].to(rtp.mamba_pool.mamba_cache.conv[0].dtype))
+            assert torch.equal(
+                rtp.mamba2_layer_cache(layer).conv[0][active],
+                full[layer][1][end - WIDTH : end].to(rtp.mamba_pool.mamba_cache.conv[0].dtype),
+            )
         slots.free([active])
 
 
@@ -304,8 +307,13 @@ def test_a_forward_is_planned_once_not_at_every_layer():
         for layer in layers:
             if stash.starts_forward(key, layer):
                 begun.append((key, layer))
-                stash.begin(key, [s for _, s, _, _, _, _ in BATCH], [p for _, _, p, _, _, _ in BATCH],
-                            [n for _, _, _, n, _, _ in BATCH], rids=[r for r, *_ in BATCH])
+                stash.begin(
+                    key,
+                    [s for _, s, _, _, _, _ in BATCH],
+                    [p for _, _, p, _, _, _ in BATCH],
+                    [n for _, _, _, n, _, _ in BATCH],
+                    rids=[r for r, *_ in BATCH],
+                )
             stash.record_layer(layer, *_exports(layer))
     # the same batch object running its layers again is a new forward (e.g. a retried batch)
     assert begun == [(1, LAYERS[0]), (1, LAYERS[0]), (2, LAYERS[0])]

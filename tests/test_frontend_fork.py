@@ -6,6 +6,7 @@ before the branch point). A second run over the same context, as an agent or a t
 finds the prefix cached for every branch. Upstream's hybrid cache reports 0 cached tokens for
 these branches: under no_buffer it keeps no state a branch can resume from.
 """
+
 from __future__ import annotations
 
 import random

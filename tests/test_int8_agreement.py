@@ -4,6 +4,7 @@ The same randomized scripts run on a server with int8 checkpoints and one with f
 Restores from int8 continue in full precision, so drift stays small; the numbers are reported
 (``-s`` shows them) and bounded.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,10 @@ def test_int8_restores_agree_with_fp32(server_factory):
             for la, lb in zip(x["output_logprobs"][:n], y["output_logprobs"][:n]):
                 drift = max(drift, abs(la - lb))
     rate = agree / total
-    print(f"\nint8 vs fp32 checkpoints: greedy agreement {rate:.4f} ({agree}/{total} tokens), "
-          f"max |logprob drift| {drift:.2e}, {hits} requests restored from a checkpoint")
+    print(
+        f"\nint8 vs fp32 checkpoints: greedy agreement {rate:.4f} ({agree}/{total} tokens), "
+        f"max |logprob drift| {drift:.2e}, {hits} requests restored from a checkpoint"
+    )
     assert hits > 0
     assert math.isfinite(drift) and drift < 0.05
     assert rate > 0.9

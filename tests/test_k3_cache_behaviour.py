@@ -1,4 +1,5 @@
 """Behaviour of the ``k3`` cache through the real server, and the A/B hit rate against upstream."""
+
 from __future__ import annotations
 
 import random
@@ -137,6 +138,7 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     for t in threads:
         t.start()
     import time
+
     time.sleep(3.0)
     requests.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
     for t in threads:

@@ -1,6 +1,7 @@
 """Observability of the k3 cache: ``/server_info``'s ``k3_cache`` entry, the ``sglang_k3_*``
 Prometheus series and the per-request ``meta_info`` fields, through one real server
 (``--enable-metrics``), plus unit checks of the pieces that need no server."""
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,7 @@ def exchange(server_factory):
     while metrics.get("sglang_k3_lookups_total") != want_lookups and time.time() < deadline:
         time.sleep(0.2)
         metrics = _k3_metrics(s)
-    return SimpleNamespace(server=s, before=before, prompts=[p1, p2, p3], outs=[t1, t2, t3],
-                           metrics_after=metrics)
+    return SimpleNamespace(server=s, before=before, prompts=[p1, p2, p3], outs=[t1, t2, t3], metrics_after=metrics)
 
 
 def test_per_request_fields(exchange):

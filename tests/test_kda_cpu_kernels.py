@@ -4,6 +4,7 @@ formulas. Random inputs come from seeds drawn by hypothesis (printed on failure)
 Tolerance: fp32 throughout; outputs are compared with atol/rtol 2e-4 after scaling by the
 reference magnitude (the chunked and recurrent forms sum in different orders).
 """
+
 from __future__ import annotations
 
 import math
@@ -11,10 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from sglang_k3.kernels.kda.chunk_torch import CHUNK_SIZE, chunk_kda_torch, chunk_layout
 from sglang_k3.kernels.kda.conv1d_torch import (
     causal_conv1d_update_torch,
@@ -29,9 +30,7 @@ from sglang_k3.kernels.kda.pool_ops import (
 )
 from sglang_k3.kernels.kda.recurrent_torch import fused_recurrent_kda_torch
 
-SETTINGS = settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
-)
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 
 
@@ -123,16 +122,28 @@ def test_chunk_varlen_with_initial_states_and_checkpoints(seed, lens, H, K, V):
     gen = torch.Generator().manual_seed(seed)
     q, k, v, g, beta, cu, h0 = _varlen_case(gen, lens, H, K, V)
     o, s, h = chunk_kda_torch(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu,
         return_intermediate_states=True,
     )
     _, _, offsets, _ = chunk_layout(cu)
     assert h.shape == (1, sum(math.ceil(n / CHUNK_SIZE) for n in lens), H, K, V)
     for n, L in enumerate(lens):
         a, b = int(cu[n]), int(cu[n + 1])
-        sl = lambda x: x[:, a:b]  # noqa: E731
+        sl = lambda x, a=a, b=b: x[:, a:b]
         o_ref, s_ref = naive_recurrent_kda(
-            sl(q), sl(k), sl(v), sl(g), sl(beta), initial_state=h0[n : n + 1],
+            sl(q),
+            sl(k),
+            sl(v),
+            sl(g),
+            sl(beta),
+            initial_state=h0[n : n + 1],
             output_final_state=True,
         )
         assert_close(o[:, a:b], o_ref, what=f"o seq {n}")
@@ -144,8 +155,13 @@ def test_chunk_varlen_with_initial_states_and_checkpoints(seed, lens, H, K, V):
             assert_close(h[0, int(offsets[n]) + i], ref[0], tol=2e-5, what=f"h seq {n} chunk {i}")
             c0, c1 = a + CHUNK_SIZE * i, min(a + CHUNK_SIZE * (i + 1), b)
             _, ref = naive_recurrent_kda(
-                q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], g[:, c0:c1], beta[:, c0:c1],
-                initial_state=ref, output_final_state=True,
+                q[:, c0:c1],
+                k[:, c0:c1],
+                v[:, c0:c1],
+                g[:, c0:c1],
+                beta[:, c0:c1],
+                initial_state=ref,
+                output_final_state=True,
             )
 
 
@@ -157,8 +173,15 @@ def test_chunk_intermediate_states_v_first_layout():
         q, k, v, g, beta, initial_state=h0, output_final_state=True, return_intermediate_states=True
     )
     _, s_vk, h_vk = chunk_kda_torch(
-        q, k, v, g, beta, initial_state=h0.transpose(-1, -2), output_final_state=True,
-        return_intermediate_states=True, state_v_first=True,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0.transpose(-1, -2),
+        output_final_state=True,
+        return_intermediate_states=True,
+        state_v_first=True,
     )
     assert h_kv.shape == (1, 3, 2, 16, 8) and h_vk.shape == (1, 3, 2, 8, 16)
     assert_close(h_vk, h_kv.transpose(-1, -2), tol=1e-6, what="h V-first")
@@ -177,14 +200,17 @@ def test_recurrent_varlen_matches_naive(seed, lens, G):
     q, k, v, g, beta = make_inputs(gen, T, H, K, V, HV=H * G)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     h0 = torch.randn(len(lens), H * G, K, V, generator=gen)
-    o, s = fused_recurrent_kda_torch(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu
-    )
+    o, s = fused_recurrent_kda_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     for n in range(len(lens)):
         a, b = int(cu[n]), int(cu[n + 1])
         o_ref, s_ref = naive_recurrent_kda(
-            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
-            initial_state=h0[n : n + 1], output_final_state=True,
+            q[:, a:b],
+            k[:, a:b],
+            v[:, a:b],
+            g[:, a:b],
+            beta[:, a:b],
+            initial_state=h0[n : n + 1],
+            output_final_state=True,
         )
         assert_close(o[:, a:b], o_ref, what=f"o seq {n}")
         assert_close(s[n : n + 1], s_ref, what=f"state seq {n}")
@@ -194,9 +220,7 @@ def test_recurrent_l2norm_and_scale():
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta = make_inputs(gen, 9, 2, 16, 8)
     k = k * 3.0
-    o, s = fused_recurrent_kda_torch(
-        q, k, v, g, beta, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True
-    )
+    o, s = fused_recurrent_kda_torch(q, k, v, g, beta, scale=0.3, output_final_state=True, use_qk_l2norm_in_kernel=True)
     qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     o_ref, s_ref = naive_recurrent_kda(qn, kn, v, g, beta, scale=0.3, output_final_state=True)
@@ -249,9 +273,7 @@ def direct_conv(hist, xs, weight, bias, silu=True):
     use_bias=st.booleans(),
     init_flags=st.lists(st.booleans(), min_size=4, max_size=4),
 )
-def test_conv1d_prefill_then_update_equals_direct_convolution(
-    seed, lens, n_decode, W, use_bias, init_flags
-):
+def test_conv1d_prefill_then_update_equals_direct_convolution(seed, lens, n_decode, W, use_bias, init_flags):
     gen = torch.Generator().manual_seed(seed)
     dim, N = 12, len(lens)
     slots_total = N + 3
@@ -266,8 +288,14 @@ def test_conv1d_prefill_then_update_equals_direct_convolution(
     x = torch.randn(T, dim, generator=gen)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     out = causal_conv1d_varlen_torch(
-        x.transpose(0, 1), weight, bias, pool.transpose(-1, -2), cu,
-        cache_indices=slots, has_initial_state=has_init, activation="silu",
+        x.transpose(0, 1),
+        weight,
+        bias,
+        pool.transpose(-1, -2),
+        cu,
+        cache_indices=slots,
+        has_initial_state=has_init,
+        activation="silu",
     ).transpose(0, 1)
     hists = []
     for n in range(N):
@@ -298,7 +326,11 @@ def test_conv1d_pad_slot_leaves_cache_alone():
     pool0 = pool.clone()
     x = torch.randn(2, dim, generator=gen)
     y = causal_conv1d_update_torch(
-        x, pool.transpose(-1, -2), weight, None, activation=None,
+        x,
+        pool.transpose(-1, -2),
+        weight,
+        None,
+        activation=None,
         conv_state_indices=torch.tensor([-1, 2], dtype=torch.int32),
     )
     assert torch.equal(pool[:2], pool0[:2]) and not torch.equal(pool[2], pool0[2])
@@ -353,8 +385,18 @@ def test_pool_extend_then_decode_equals_naive_over_whole_sequence():
     b = torch.randn(1, T, H, generator=gen)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     o, h = kda_chunk_extend_pool(
-        q, k, v, a, b, ssm_states=pool, cache_indices=slots, query_start_loc=cu,
-        A_log=A_log, dt_bias=dt_bias, beta_is_raw=True, return_intermediate_states=True,
+        q,
+        k,
+        v,
+        a,
+        b,
+        ssm_states=pool,
+        cache_indices=slots,
+        query_start_loc=cu,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        beta_is_raw=True,
+        return_intermediate_states=True,
     )
     assert h.shape == (1, 2 + 1 + 2, H, V, K)
     for s in (1, 3, 5):
@@ -369,15 +411,30 @@ def test_pool_extend_then_decode_equals_naive_over_whole_sequence():
     for t in range(n_dec):
         if t % 2 == 0:
             od = kda_recurrent_decode_pool(
-                qd[t][None], kd[t][None], vd[t][None], ad[t], bd[t][None], A_log=A_log,
-                dt_bias=dt_bias, ssm_states=pool, cache_indices=slots,
+                qd[t][None],
+                kd[t][None],
+                vd[t][None],
+                ad[t],
+                bd[t][None],
+                A_log=A_log,
+                dt_bias=dt_bias,
+                ssm_states=pool,
+                cache_indices=slots,
                 query_start_loc=torch.arange(N + 1, dtype=torch.int32),
             )
         else:
             mixed = torch.cat([qd[t].flatten(1), kd[t].flatten(1), vd[t].flatten(1)], -1)
             od = kda_packed_decode_pool(
-                mixed, ad[t], bd[t][None], A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5,
-                ssm_states=pool, cache_indices=slots, num_v_heads=H, head_v_dim=V,
+                mixed,
+                ad[t],
+                bd[t][None],
+                A_log=A_log,
+                dt_bias=dt_bias,
+                scale=K**-0.5,
+                ssm_states=pool,
+                cache_indices=slots,
+                num_v_heads=H,
+                head_v_dim=V,
             )
         assert od.shape == (1, N, H, V)
         outs.append(od[0])
@@ -391,9 +448,7 @@ def test_pool_extend_then_decode_equals_naive_over_whole_sequence():
         gg = -torch.exp(A_log.view(H, 1)) * F.softplus(aa + dt_bias.view(H, K))
         qn = qq / torch.sqrt((qq * qq).sum(-1, keepdim=True) + 1e-6)
         kn = kk / torch.sqrt((kk * kk).sum(-1, keepdim=True) + 1e-6)
-        o_ref, s_ref = naive_recurrent_kda(
-            qn, kn, vv, gg, torch.sigmoid(bb), output_final_state=True
-        )
+        o_ref, s_ref = naive_recurrent_kda(qn, kn, vv, gg, torch.sigmoid(bb), output_final_state=True)
         L = s1 - s0
         assert_close(o[0, s0:s1], o_ref[0, :L], what=f"extend o seq {n}")
         for t in range(n_dec):
@@ -413,14 +468,28 @@ def test_pool_extend_pad_slot_and_track_state():
     cu = torch.tensor([0, 130, 170], dtype=torch.int32)
     track = torch.full((2, H, V, K), 7.0)
     o, h = kda_chunk_extend_pool(
-        q, k, v, g, beta, ssm_states=pool, cache_indices=torch.tensor([1, -1]),
-        query_start_loc=cu, use_qk_l2norm_in_kernel=False, return_intermediate_states=True,
-        track_state=track, track_chunk_idx=torch.tensor([2, 5]),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states=pool,
+        cache_indices=torch.tensor([1, -1]),
+        query_start_loc=cu,
+        use_qk_l2norm_in_kernel=False,
+        return_intermediate_states=True,
+        track_state=track,
+        track_chunk_idx=torch.tensor([2, 5]),
     )
     assert torch.equal(pool[[0, 2]], pool0[[0, 2]])  # padded row wrote nothing
     _, s_ref = naive_recurrent_kda(
-        q[:, :128], k[:, :128], v[:, :128], g[:, :128], beta[:, :128],
-        initial_state=pool0[1].transpose(-1, -2)[None], output_final_state=True,
+        q[:, :128],
+        k[:, :128],
+        v[:, :128],
+        g[:, :128],
+        beta[:, :128],
+        initial_state=pool0[1].transpose(-1, -2)[None],
+        output_final_state=True,
     )
     assert_close(h[0, 2], s_ref[0].transpose(-1, -2), what="h after 128 tokens")
     assert torch.equal(track[0], h[0, 2])
@@ -439,8 +508,13 @@ def test_conv1d_varlen_zero_tokens_is_a_no_op():
     states = torch.randn(3, dim, W - 1)
     before = states.clone()
     out = causal_conv1d_varlen_torch(
-        torch.zeros(dim, 0), torch.randn(dim, W), None, states, torch.tensor([0, 0], dtype=torch.int32),
-        cache_indices=torch.tensor([1]), has_initial_state=torch.tensor([True]),
+        torch.zeros(dim, 0),
+        torch.randn(dim, W),
+        None,
+        states,
+        torch.tensor([0, 0], dtype=torch.int32),
+        cache_indices=torch.tensor([1]),
+        has_initial_state=torch.tensor([True]),
     )
     assert out.shape == (dim, 0)
     assert torch.equal(states, before)

@@ -1,4 +1,5 @@
 """``python -m sglang_k3.launch_server --help`` shows sglang-k3's flags first, then SGLang's (issue #15)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ FLAG_LINE = re.compile(r"^  (--[a-z0-9-]+)")
 
 @pytest.fixture(scope="module")
 def help_lines() -> list[str]:
-    r = subprocess.run([sys.executable, "-m", "sglang_k3.launch_server", "--help"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_k3.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.splitlines()
 

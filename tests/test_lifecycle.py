@@ -1,6 +1,7 @@
 """The request lifecycle the server's cache and the replay share (``sglang_k3/cache/lifecycle.py``),
 driven directly with int handles: what each verb puts in the tree, who owns a slot after
 ``finish``, the per-step store queue, and what a re-match or an abort releases."""
+
 from __future__ import annotations
 
 from typing import Optional

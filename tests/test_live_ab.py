@@ -3,6 +3,7 @@ real servers (k3 and upstream), all three workloads. Checks the output schema, t
 number (hit rate, prefill tokens, k3/upstream ratios) is computed from the measured ones, that
 greedy outputs of the two caches are identical, and that k3 hits at least as much as upstream on
 multi-turn chat. Plus fast checks of the pure helpers and of the CLI's clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,26 @@ from benchmarks import live_ab  # noqa: E402
 from benchmarks.live.client import percentile  # noqa: E402
 
 REAL_TRACE = live_ab.DEFAULT_TRACE
-METRICS = {"requests": int, "errors": int, "prompt_tokens": int, "cached_tokens": int, "prefill_tokens": int,
-           "hit_rate": float, "output_tokens": int, "duration_s": float, "output_tok_per_s": float,
-           "ttft_p50_s": float, "ttft_p90_s": float}
+METRICS = {
+    "requests": int,
+    "errors": int,
+    "prompt_tokens": int,
+    "cached_tokens": int,
+    "prefill_tokens": int,
+    "hit_rate": float,
+    "output_tokens": int,
+    "duration_s": float,
+    "output_tok_per_s": float,
+    "ttft_p50_s": float,
+    "ttft_p90_s": float,
+}
 
 
 def _k3_fp32_args() -> str:
     """fp32 checkpoints are the bit-exact oracle; pass the flag only where this tree has it."""
-    from sglang_k3.integration import k3_args
     import argparse
+
+    from sglang_k3.integration import k3_args
 
     p = argparse.ArgumentParser()
     k3_args.add_k3_args(p)
@@ -37,8 +49,9 @@ def _k3_fp32_args() -> str:
 
 
 def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.live_ab", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.live_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ----------------------------------------------------------------------------- fast checks
@@ -49,8 +62,17 @@ def test_help_documents_every_flag():
     assert len(actions) >= 25
     for a in actions:
         assert a.help and a.option_strings[0] in r.stdout, a.option_strings
-    for flag in ("--model-path", "--extra-server-args", "--trace", "--trace-scale", "--trace-requests",
-                 "--mt-conversations", "--gsp-groups", "--out", "--workloads"):
+    for flag in (
+        "--model-path",
+        "--extra-server-args",
+        "--trace",
+        "--trace-scale",
+        "--trace-requests",
+        "--mt-conversations",
+        "--gsp-groups",
+        "--out",
+        "--workloads",
+    ):
         assert flag in r.stdout
 
 
@@ -67,13 +89,35 @@ def test_bad_flags_and_missing_trace_are_clear(tmp_path):
 
 
 def test_ratios_and_comparison_helpers():
-    recs = [{"workload": "w", "cache": "k3", "hit_rate": 0.5, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0,
-             "output_tok_per_s": 3.0, "prefill_tokens": 50},
-            {"workload": "w", "cache": "upstream", "hit_rate": 0.25, "ttft_p50_s": 2.0, "ttft_p90_s": 4.0,
-             "output_tok_per_s": 1.5, "prefill_tokens": 0}]
+    recs = [
+        {
+            "workload": "w",
+            "cache": "k3",
+            "hit_rate": 0.5,
+            "ttft_p50_s": 1.0,
+            "ttft_p90_s": 2.0,
+            "output_tok_per_s": 3.0,
+            "prefill_tokens": 50,
+        },
+        {
+            "workload": "w",
+            "cache": "upstream",
+            "hit_rate": 0.25,
+            "ttft_p50_s": 2.0,
+            "ttft_p90_s": 4.0,
+            "output_tok_per_s": 1.5,
+            "prefill_tokens": 0,
+        },
+    ]
     (q,) = live_ab.compute_ratios(recs)
-    assert q == {"workload": "w", "hit_rate": 2.0, "ttft_p50_s": 0.5, "ttft_p90_s": 0.5,
-                 "output_tok_per_s": 2.0, "prefill_tokens": None}
+    assert q == {
+        "workload": "w",
+        "hit_rate": 2.0,
+        "ttft_p50_s": 0.5,
+        "ttft_p90_s": 0.5,
+        "output_tok_per_s": 2.0,
+        "prefill_tokens": None,
+    }
     g = live_ab.compare_outputs({"a": [1, 2, 3], "b": [4]}, {"a": [1, 9, 3], "b": [4], "c": [5]})
     assert g["compared"] == 2 and g["mismatches"] == 1 and g["missing"] == 1
     assert g["details"][0]["first_diff"] == 1
@@ -90,15 +134,42 @@ def test_trace_slice_links_turns_and_scales():
         if p >= 0:  # a later turn holds its parent's prompt, then the parent's output, then new text
             lp, op = len(ts.prompts[p]), ts.out_len[p]
             assert ts.prompts[i][:lp] == ts.prompts[p]
-            assert [ts.out_atom.get(s) for s in ts.prompts[i][lp:lp + op]] == [(p, j) for j in range(op)]
+            assert [ts.out_atom.get(s) for s in ts.prompts[i][lp : lp + op]] == [(p, j) for j in range(op)]
     assert all(1 <= m <= 16 for m in ts.max_new_tokens)
 
 
 # ----------------------------------------------------------------------------- end to end
-SMALL = ["--gsp-groups", "1", "--gsp-prompts-per-group", "2", "--gsp-system-len", "128", "--gsp-question-len", "16",
-         "--gsp-output-len", "2", "--mt-conversations", "2", "--mt-turns", "2", "--mt-system-len", "64",
-         "--mt-first-len", "64", "--mt-user-len", "16", "--mt-reply-len", "2", "--trace-requests", "3",
-         "--trace-scale", "64", "--trace-max-output", "2", "--quiet"]
+SMALL = [
+    "--gsp-groups",
+    "1",
+    "--gsp-prompts-per-group",
+    "2",
+    "--gsp-system-len",
+    "128",
+    "--gsp-question-len",
+    "16",
+    "--gsp-output-len",
+    "2",
+    "--mt-conversations",
+    "2",
+    "--mt-turns",
+    "2",
+    "--mt-system-len",
+    "64",
+    "--mt-first-len",
+    "64",
+    "--mt-user-len",
+    "16",
+    "--mt-reply-len",
+    "2",
+    "--trace-requests",
+    "3",
+    "--trace-scale",
+    "64",
+    "--trace-max-output",
+    "2",
+    "--quiet",
+]
 
 
 def test_live_ab_end_to_end(tmp_path):

@@ -1,4 +1,5 @@
 """The served model agrees with a plain-torch forward of the same checkpoint (fp32)."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from kimi_reference import KimiLinearReference
 from workloads import random_tokens
 

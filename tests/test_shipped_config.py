@@ -2,6 +2,7 @@
 parses with no ``--k3-*`` flag, the server's cache (built on real SGLang pools on the CPU) and the
 replay's policy get the same config, the same tree flags, placement, eviction alpha and checkpoint
 capacity, and a non-default flag reaches both the same way."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ def _replay_policy(cfg: K3Config, unit: int = 64):
 
 def _shape(lc: CacheLifecycle) -> dict:
     t = lc.tree
-    return dict(num_groups=t.num_groups, page_size=t.page_size, hit_unit=t.hit_unit,
-                lock_protects_checkpoints=t.lock_protects_checkpoints, alpha=t.policy.alpha)
+    return dict(
+        num_groups=t.num_groups,
+        page_size=t.page_size,
+        hit_unit=t.hit_unit,
+        lock_protects_checkpoints=t.lock_protects_checkpoints,
+        alpha=t.policy.alpha,
+    )
 
 
 def test_default_flags_give_the_same_objects_to_server_and_replay():
@@ -51,20 +57,30 @@ def test_default_flags_give_the_same_objects_to_server_and_replay():
     assert server.lifecycle.placement == placement_from_config(cfg, 1)
     assert replay.lifecycle.placement == placement_from_config(cfg, 64)
     # the same placement but for the unit: the decode interval in symbols of 64 tokens
-    assert dataclasses.replace(replay.lifecycle.placement, decode_interval=server.placement.decode_interval) \
+    assert (
+        dataclasses.replace(replay.lifecycle.placement, decode_interval=server.placement.decode_interval)
         == server.placement
+    )
     # memory as the server holds it: int8 checkpoints in a pool of --k3-checkpoint-slots
     assert server.store.dtype == replay.store.dtype == "int8"
     assert server.store.pool.num_slots == replay.store.capacity == cfg.checkpoint_slots == 64
 
 
 def test_a_flag_reaches_both_alike():
-    cfg = _parsed(["--k3-checkpoint-budget", "3", "--k3-no-branch-checkpoints", "--k3-checkpoint-slots", "5",
-                   "--k3-decode-checkpoint-interval", "0"])
+    cfg = _parsed(
+        [
+            "--k3-checkpoint-budget",
+            "3",
+            "--k3-no-branch-checkpoints",
+            "--k3-checkpoint-slots",
+            "5",
+            "--k3-decode-checkpoint-interval",
+            "0",
+        ]
+    )
     server, replay = _server_cache(cfg), _replay_policy(cfg)
     for lc in (server.lifecycle, replay.lifecycle):
         assert lc.placement.per_path_budget == 3
         assert lc.placement.at_branch_points is False
         assert lc.placement.decode_interval is None
     assert server.store.pool.num_slots == replay.store.capacity == 5
-

@@ -1,4 +1,5 @@
 """The soak's command line: it explains itself and refuses nonsense before starting servers."""
+
 from __future__ import annotations
 
 import subprocess

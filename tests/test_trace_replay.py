@@ -4,6 +4,7 @@ for bad input. Runs on a synthetic multi-turn trace and, when present, on the fi
 the shipped Mooncake trace (the first 300 lines cover ~90 s of the trace, before any second turn
 arrives: every hybrid policy then hits only the shared system prompt and k3 == upstream exactly,
 which tests nothing; 3000 lines take ~10 s)."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,17 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 ALL = ["k3", "k3-unified", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
-FIELDS = {"policy": str, "budget_gib": (int, float), "hit_rate": float, "oracle_fraction": float,
-          "fa_budget_fraction": float, "prefill_tokens": int, "ttft_p50_s": float, "ttft_p90_s": float,
-          "checkpoint_bytes": (int, float)}
+FIELDS = {
+    "policy": str,
+    "budget_gib": (int, float),
+    "hit_rate": float,
+    "oracle_fraction": float,
+    "fa_budget_fraction": float,
+    "prefill_tokens": int,
+    "ttft_p50_s": float,
+    "ttft_p90_s": float,
+    "checkpoint_bytes": (int, float),
+}
 
 
 def synthetic_trace(path, seed=0):
@@ -48,8 +57,14 @@ def synthetic_trace(path, seed=0):
         doc = [0] + new_ids(5)
         for q in range(4):
             L = 6 * 512 + rnd.randint(200, 2000)
-            rows.append(dict(timestamp=d * 7000 + q * 9000 + 500, input_length=L,
-                             output_length=rnd.randint(20, 200), hash_ids=doc + new_ids(-(-L // 512) - 6)))
+            rows.append(
+                dict(
+                    timestamp=d * 7000 + q * 9000 + 500,
+                    input_length=L,
+                    output_length=rnd.randint(20, 200),
+                    hash_ids=doc + new_ids(-(-L // 512) - 6),
+                )
+            )
     rows.sort(key=lambda r: r["timestamp"])
     with open(path, "w") as f:
         for r in rows:
@@ -58,8 +73,13 @@ def synthetic_trace(path, seed=0):
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "benchmarks.trace_replay", "--no-progress", *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.trace_replay", "--no-progress", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check_schema(records, policies, budgets):
@@ -90,8 +110,20 @@ def synthetic_run(tmp_path_factory):
     trace = d / "trace.jsonl"
     n = synthetic_trace(trace)
     out = d / "out"
-    res = run_cli("--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "0.25,2",
-                  "--model-config", "kimi-linear-48b", "--checkpoint-dtype", "int8", "--out", str(out))
+    res = run_cli(
+        "--trace",
+        str(trace),
+        "--policies",
+        ",".join(ALL),
+        "--budgets-gib",
+        "0.25,2",
+        "--model-config",
+        "kimi-linear-48b",
+        "--checkpoint-dtype",
+        "int8",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return n, out, json.loads((out / "results.json").read_text())
 
@@ -113,8 +145,20 @@ def test_synthetic_schema_and_orderings(synthetic_run):
 def test_subset_of_policies_still_reports_fractions(tmp_path):
     trace = tmp_path / "t.jsonl"
     synthetic_trace(trace, seed=1)
-    res = run_cli("--trace", str(trace), "--policies", "k3", "--budgets-gib", "1", "--out", str(tmp_path / "o"),
-                  "--model-config", "tiny", "--checkpoint-dtype", "bf16")
+    res = run_cli(
+        "--trace",
+        str(trace),
+        "--policies",
+        "k3",
+        "--budgets-gib",
+        "1",
+        "--out",
+        str(tmp_path / "o"),
+        "--model-config",
+        "tiny",
+        "--checkpoint-dtype",
+        "bf16",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (rec,) = json.loads((tmp_path / "o" / "results.json").read_text())
     assert rec["policy"] == "k3" and rec["budget_gib"] == 1 and 0 < rec["oracle_fraction"] <= 1
@@ -128,15 +172,18 @@ def test_real_trace_slice(tmp_path):
         for _, line in zip(range(3000), f):
             g.write(line)
     budgets = [4, 16]
-    res = run_cli("--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "4,16",
-                  "--out", str(tmp_path / "o"))
+    res = run_cli(
+        "--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "4,16", "--out", str(tmp_path / "o")
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads((tmp_path / "o" / "results.json").read_text())
     by = check_schema(records, ALL, budgets)
     for b in budgets:
         k3, up = by[("k3", b)]["hit_rate"], by[("upstream", b)]["hit_rate"]
-        print(f"real slice, {b} GiB: k3 {k3:.4f} upstream {up:.4f} fa-budget {by[('fa-budget', b)]['hit_rate']:.4f} "
-              f"oracle {by[('oracle', b)]['hit_rate']:.4f}")
+        print(
+            f"real slice, {b} GiB: k3 {k3:.4f} upstream {up:.4f} fa-budget {by[('fa-budget', b)]['hit_rate']:.4f} "
+            f"oracle {by[('oracle', b)]['hit_rate']:.4f}"
+        )
         assert by[("fa-budget", b)]["hit_rate"] >= k3
         assert all(by[(p, b)]["hit_rate"] <= by[("oracle", b)]["hit_rate"] for p in ALL)
     # k3 as shipped (a 64-slot int8 checkpoint pool): measured 0.059 vs upstream's 0.047 at 16 GiB,
@@ -148,32 +195,47 @@ def test_real_trace_slice(tmp_path):
 def test_help_explains_the_contract():
     res = run_cli("--help")
     assert res.returncode == 0
-    for flag in ("--trace", "--policies", "--budgets-gib", "--model-config", "--checkpoint-dtype", "--out",
-                 "kimi-linear-48b", "fa-budget", "results.json"):
+    for flag in (
+        "--trace",
+        "--policies",
+        "--budgets-gib",
+        "--model-config",
+        "--checkpoint-dtype",
+        "--out",
+        "kimi-linear-48b",
+        "fa-budget",
+        "results.json",
+    ):
         assert flag in res.stdout, flag
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--trace", "/nonexistent/trace.jsonl"], "trace file not found"),
-    (["--policies", "k3,lru-magic"], "unknown policy 'lru-magic'"),
-    (["--budgets-gib", "10,abc"], "--budgets-gib"),
-    (["--budgets-gib", "-5"], "positive"),
-    (["--model-config", "gpt"], "invalid choice"),
-    (["--checkpoint-dtype", "int4"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--trace", "/nonexistent/trace.jsonl"], "trace file not found"),
+        (["--policies", "k3,lru-magic"], "unknown policy 'lru-magic'"),
+        (["--budgets-gib", "10,abc"], "--budgets-gib"),
+        (["--budgets-gib", "-5"], "positive"),
+        (["--model-config", "gpt"], "invalid choice"),
+        (["--checkpoint-dtype", "int4"], "invalid choice"),
+    ],
+)
 def test_bad_arguments(args, needle, tmp_path):
     res = run_cli(*args, "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and needle in res.stderr, res.stderr
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("line3, needle", [
-    ("{not json", "not valid JSON"),
-    ('{"timestamp": 0, "input_length": 600, "output_length": 5}', "missing field 'hash_ids'"),
-    ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}', "needs ceil(600/512) = 2"),
-    ('{"timestamp": 0, "input_length": -1, "output_length": 5, "hash_ids": []}', "input_length"),
-    ('[1, 2]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line3, needle",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 5}', "missing field 'hash_ids'"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1]}', "needs ceil(600/512) = 2"),
+        ('{"timestamp": 0, "input_length": -1, "output_length": 5, "hash_ids": []}', "input_length"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
 def test_malformed_line_names_its_number(line3, needle, tmp_path):
     good = json.dumps(dict(timestamp=0, input_length=700, output_length=10, hash_ids=[0, 1]))
     trace = tmp_path / "bad.jsonl"

@@ -1,4 +1,5 @@
 """Byte and FLOP model sanity, against the numbers in DESIGN.md."""
+
 import pytest
 
 from sglang_k3.cache import preset

@@ -1,12 +1,12 @@
 """Eviction order over two resources (KV tokens, checkpoint bytes) and locked-path protection."""
+
 from int_pools import IntPool
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, preset
 
 
 def build(alpha=1.0, cost=None, page=1):
-    tree = K3RadixTree(num_groups=1, page_size=page, hit_unit=64,
-                       eviction=EvictionPolicy(cost=cost, alpha=alpha))
+    tree = K3RadixTree(num_groups=1, page_size=page, hit_unit=64, eviction=EvictionPolicy(cost=cost, alpha=alpha))
     return tree, IntPool(100_000, page), IntPool(1000)
 
 

@@ -1,4 +1,5 @@
 """The three K3 concurrency invariants; each test fails if its guard is removed."""
+
 import pytest
 from int_pools import IntPool
 

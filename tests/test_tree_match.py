@@ -1,4 +1,5 @@
 """Two-phase lookup, fine-grained hits and the upstream failure shapes, over plain ints."""
+
 import pytest
 from int_pools import IntPool
 
@@ -13,7 +14,7 @@ def put(tree, kvpool, key):
     """Insert ``key`` with fresh KV; frees what the tree did not take, like the wrapper would."""
     kv = kvpool.alloc(len(key))
     r = tree.insert(key, kv)
-    kvpool.free(r.duplicate_kv + kv[r.inserted_len:])
+    kvpool.free(r.duplicate_kv + kv[r.inserted_len :])
     return r
 
 

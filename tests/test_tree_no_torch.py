@@ -1,4 +1,5 @@
 """The cache package must import and work with torch (and sglang) unavailable."""
+
 import subprocess
 import sys
 

@@ -1,4 +1,5 @@
 """Placement flags and recycling of superseded intermediate checkpoints."""
+
 from int_pools import IntPool
 
 from sglang_k3.cache import CheckpointKind as K

@@ -2,6 +2,7 @@
 what the tree holds (no leaks, no double frees), refcounts stay >= 0, no handle is written while
 the tree holds it, and a pinned checkpoint is unchanged when its COW lands. After flush the
 pools are empty."""
+
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -14,9 +15,30 @@ UNIT = 16
 BASES = [[b * 1000 + i for i in range(300)] for b in range(3)]
 
 op = st.tuples(
-    st.sampled_from(["insert", "insert", "match", "match", "match", "unlock", "ckpt", "ckpt", "ckpt",
-                     "commit", "land", "evict_kv", "evict_b", "recycle", "drop", "write"]),
-    st.integers(0, 2), st.integers(0, 300), st.integers(0, 40), st.integers(0, 10_000),
+    st.sampled_from(
+        [
+            "insert",
+            "insert",
+            "match",
+            "match",
+            "match",
+            "unlock",
+            "ckpt",
+            "ckpt",
+            "ckpt",
+            "commit",
+            "land",
+            "evict_kv",
+            "evict_b",
+            "recycle",
+            "drop",
+            "write",
+        ]
+    ),
+    st.integers(0, 2),
+    st.integers(0, 300),
+    st.integers(0, 40),
+    st.integers(0, 10_000),
 )
 
 
@@ -44,7 +66,7 @@ class Harness:
             key = self.key(b, n, s)
             kv = self.kv.alloc(len(key))
             res = t.insert(key, kv)
-            self.kv.free(res.duplicate_kv + kv[res.inserted_len:])
+            self.kv.free(res.duplicate_kv + kv[res.inserted_len :])
             self.nodes.append(res.node)
             if r % 2 and res.node is not t.root:  # a running request holds its own path
                 t.inc_lock_ref(res.node)

@@ -1,4 +1,5 @@
 """Seeded random workloads in token ids (the embedded tokenizer is byte-level: ids 0-255 are bytes)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,14 @@ class Turn:
     max_new_tokens: int
 
 
-def multi_turn_conversations(seed: int, n_conv: int = 2, n_turns: int = 4, system_len: int = 90,
-                             user_len: tuple[int, int] = (40, 150), reply_len: int = 12):
+def multi_turn_conversations(
+    seed: int,
+    n_conv: int = 2,
+    n_turns: int = 4,
+    system_len: int = 90,
+    user_len: tuple[int, int] = (40, 150),
+    reply_len: int = 12,
+):
     """Yields, in interleaved order, (conv, turn, user_tokens); the caller builds prompts from replies.
 
     All conversations share one system prompt; each turn's prompt is the previous prompt, the
@@ -37,7 +44,14 @@ def run_conversations(server, seed: int, **kw) -> list[dict]:
         prompt = history[c] + users[(c, t)]
         out = server.generate(prompt, reply_len)
         reply = out["output_ids"]
-        records.append({"conv": c, "turn": t, "prompt_len": len(prompt), "output_ids": reply,
-                        "cached_tokens": out["meta_info"].get("cached_tokens", 0)})
+        records.append(
+            {
+                "conv": c,
+                "turn": t,
+                "prompt_len": len(prompt),
+                "output_ids": reply,
+                "cached_tokens": out["meta_info"].get("cached_tokens", 0),
+            }
+        )
         history[c] = prompt + reply
     return records

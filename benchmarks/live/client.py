@@ -1,4 +1,5 @@
 """A streaming ``/generate`` client that measures TTFT, and the per-workload metrics."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,11 @@ def generate_stream(url: str, key: str, input_ids: list[int], max_new_tokens: in
     """Greedy ``POST /generate`` with ``stream: true``: TTFT is the time to the first chunk that
     carries an output token. Never raises; a failure is ``Result.error``."""
     res = Result(key=key)
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     t0 = time.perf_counter()
     try:
         with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
@@ -76,8 +80,15 @@ def percentile(values: list, q: float) -> Optional[float]:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def summarize(ttfts: list, prompt_tokens: int, cached_tokens: int, output_tokens: int,
-              duration_s: float, requests_n: int, errors: int) -> dict:
+def summarize(
+    ttfts: list,
+    prompt_tokens: int,
+    cached_tokens: int,
+    output_tokens: int,
+    duration_s: float,
+    requests_n: int,
+    errors: int,
+) -> dict:
     """The metrics of one (workload, cache) cell, all from measured numbers."""
     return {
         "requests": requests_n,
@@ -96,8 +107,15 @@ def summarize(ttfts: list, prompt_tokens: int, cached_tokens: int, output_tokens
 
 def summarize_results(results: list[Result], duration_s: float) -> dict:
     ok = [r for r in results if r.error is None]
-    return summarize([r.ttft_s for r in ok], sum(r.prompt_tokens for r in ok), sum(r.cached_tokens for r in ok),
-                     sum(len(r.output_ids) for r in ok), duration_s, len(results), len(results) - len(ok))
+    return summarize(
+        [r.ttft_s for r in ok],
+        sum(r.prompt_tokens for r in ok),
+        sum(r.cached_tokens for r in ok),
+        sum(len(r.output_ids) for r in ok),
+        duration_s,
+        len(results),
+        len(results) - len(ok),
+    )
 
 
 class Progress:
@@ -112,7 +130,12 @@ class Progress:
         with self._lock:
             self.done += 1
             if self.enabled:
-                status = f"error: {res.error}" if res.error else (
-                    f"prompt {res.prompt_tokens} cached {res.cached_tokens} ttft {res.ttft_s:.2f}s")
-                print(f"  [{self.label}] {self.done}/{self.total} {res.key}: {status} "
-                      f"({time.time() - self._t0:.0f}s)", flush=True)
+                status = (
+                    f"error: {res.error}"
+                    if res.error
+                    else (f"prompt {res.prompt_tokens} cached {res.cached_tokens} ttft {res.ttft_s:.2f}s")
+                )
+                print(
+                    f"  [{self.label}] {self.done}/{self.total} {res.key}: {status} ({time.time() - self._t0:.0f}s)",
+                    flush=True,
+                )

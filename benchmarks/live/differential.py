@@ -6,6 +6,7 @@ A script is a list of rounds; the requests of one round are sent concurrently, s
 batches and interleaves them. Prompts are built from earlier outputs where a workload continues a
 conversation, so the same script replays identically against any server whose greedy tokens match.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,7 @@ def make_script(seed: int, n_rounds: int = 4) -> dict:
             reqs.append({"kind": "repeat"})
         rng.shuffle(reqs)
         rounds.append(reqs)
-    return {"seed": seed, "convs": convs, "fork_base": fork_base, "rounds": rounds,
-            "reply_len": rng.randint(4, 10)}
+    return {"seed": seed, "convs": convs, "fork_base": fork_base, "rounds": rounds, "reply_len": rng.randint(4, 10)}
 
 
 def run_script(server, script: dict, logprobs: bool = False) -> list[dict]:
@@ -56,10 +56,15 @@ def run_script(server, script: dict, logprobs: bool = False) -> list[dict]:
                 prompts.append(list(last_prompt or script["fork_base"]))
         with ThreadPoolExecutor(max_workers=len(prompts)) as ex:
             extra = {"return_logprob": True} if logprobs else {}
-            outs = list(ex.map(lambda p: server.generate(p, script["reply_len"], **extra), prompts))
+            outs = list(ex.map(lambda p, extra=extra: server.generate(p, script["reply_len"], **extra), prompts))
         for q, p, o in zip(reqs, prompts, outs):
-            rec = {"round": r, "kind": q["kind"], "prompt_len": len(p), "output_ids": o["output_ids"],
-                   "cached_tokens": o["meta_info"].get("cached_tokens", 0)}
+            rec = {
+                "round": r,
+                "kind": q["kind"],
+                "prompt_len": len(p),
+                "output_ids": o["output_ids"],
+                "cached_tokens": o["meta_info"].get("cached_tokens", 0),
+            }
             if logprobs:
                 rec["output_logprobs"] = [t[0] for t in o["meta_info"]["output_token_logprobs"]]
             records.append(rec)

@@ -4,6 +4,7 @@ A server runs in its own process group (so stopping it also stops SGLang's sched
 children), logs to a file, and is healthy once ``GET /health`` answers 200. A failed start raises
 with the tail of that log.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,15 @@ class Server:
 
     ``launch()`` + ``wait_healthy()`` split ``start()`` so several servers can boot at once."""
 
-    def __init__(self, name: str, args: list[str], start_timeout: float = 600.0,
-                 log_dir: Optional[str] = None, log_prefix: str = "sglang_k3_test",
-                 env: Optional[dict] = None):
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        start_timeout: float = 600.0,
+        log_dir: Optional[str] = None,
+        log_prefix: str = "sglang_k3_test",
+        env: Optional[dict] = None,
+    ):
         self.name, self.args, self.start_timeout = name, list(args), start_timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -48,15 +55,25 @@ class Server:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang_k3.launch_server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        return [
+            sys.executable,
+            "-m",
+            "sglang_k3.launch_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
 
     def launch(self) -> "Server":
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the server's lifetime)
         self._t0 = time.time()
         env = None if self.env is None else {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=env)
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         return self
 
     def wait_healthy(self) -> "Server":
@@ -64,7 +81,9 @@ class Server:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise ServerStartError(f"server {self.name} exited with {code} (log {self.log_path}):\n{self.log_tail()}")
+                raise ServerStartError(
+                    f"server {self.name} exited with {code} (log {self.log_path}):\n{self.log_tail()}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
                     self.start_seconds = time.time() - self._t0
@@ -73,7 +92,9 @@ class Server:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise ServerStartError(f"server {self.name} not healthy in {self.start_timeout}s (log {self.log_path}):\n{self.log_tail()}")
+        raise ServerStartError(
+            f"server {self.name} not healthy in {self.start_timeout}s (log {self.log_path}):\n{self.log_tail()}"
+        )
 
     def start(self) -> "Server":
         return self.launch().wait_healthy()
@@ -110,7 +131,8 @@ class Server:
 
     # --- requests -------------------------------------------------------------------------
     def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
-        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        body = {"input_ids": input_ids, "sampling_params": params}
         body.update(extra)
         r = requests.post(self.url + "/generate", json=body, timeout=600)
         r.raise_for_status()

@@ -1,6 +1,7 @@
 """The three live workloads. Each runs against one server URL and returns
 ``(metrics, outputs)``: metrics per :func:`benchmarks.live.client.summarize`, outputs a dict
 request key -> greedy output token ids (compared across caches)."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +31,21 @@ def vocabulary(tokenizer_path: str) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- bench_serving
-def run_bench_serving(url: str, label: str, tokenizer: str, *, groups: int, prompts_per_group: int,
-                      system_len: int, question_len: int, output_len: int, concurrency: int,
-                      seed: int, log_dir: str, verbose: bool = True) -> tuple[dict, dict]:
+def run_bench_serving(
+    url: str,
+    label: str,
+    tokenizer: str,
+    *,
+    groups: int,
+    prompts_per_group: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    concurrency: int,
+    seed: int,
+    log_dir: str,
+    verbose: bool = True,
+) -> tuple[dict, dict]:
     """SGLang's own ``python -m sglang.bench_serving --dataset-name generated-shared-prefix``,
     one run; reads its JSONL output (``--output-details --cache-report``). It warms up with one
     request and flushes the cache (``--flush-cache``) before measuring."""
@@ -43,17 +55,52 @@ def run_bench_serving(url: str, label: str, tokenizer: str, *, groups: int, prom
     if os.path.exists(out_file):
         os.remove(out_file)
     n = groups * prompts_per_group
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
-           "--dataset-name", "generated-shared-prefix", "--tokenizer", tokenizer, "--model", tokenizer,
-           "--gsp-num-groups", str(groups), "--gsp-prompts-per-group", str(prompts_per_group),
-           "--gsp-system-prompt-len", str(system_len), "--gsp-question-len", str(question_len),
-           "--gsp-output-len", str(output_len), "--num-prompts", str(n),
-           "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", str(seed),
-           "--output-file", out_file, "--output-details", "--cache-report", "--flush-cache",
-           "--warmup-requests", "1", "--disable-tqdm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang",
+        "--base-url",
+        url,
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--tokenizer",
+        tokenizer,
+        "--model",
+        tokenizer,
+        "--gsp-num-groups",
+        str(groups),
+        "--gsp-prompts-per-group",
+        str(prompts_per_group),
+        "--gsp-system-prompt-len",
+        str(system_len),
+        "--gsp-question-len",
+        str(question_len),
+        "--gsp-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(seed),
+        "--output-file",
+        out_file,
+        "--output-details",
+        "--cache-report",
+        "--flush-cache",
+        "--warmup-requests",
+        "1",
+        "--disable-tqdm",
+    ]
     if verbose:
-        print(f"  [{label}] bench_serving: {n} prompts ({groups} groups x {prompts_per_group}), "
-              f"log {log_file}", flush=True)
+        print(
+            f"  [{label}] bench_serving: {n} prompts ({groups} groups x {prompts_per_group}), log {log_file}",
+            flush=True,
+        )
     t0 = time.time()
     with open(log_file, "w") as log:
         log.write(" ".join(cmd) + "\n")
@@ -67,14 +114,32 @@ def run_bench_serving(url: str, label: str, tokenizer: str, *, groups: int, prom
         rec = json.loads([ln for ln in f if ln.strip()][-1])
     errors = [e for e in rec.get("errors", []) if e]
     ok = [i for i, e in enumerate(rec.get("errors", [""] * len(rec["ttfts"]))) if not e]
-    metrics = summarize([rec["ttfts"][i] for i in ok], sum(rec["input_lens"][i] for i in ok),
-                        sum(rec["cached_tokens"][i] for i in ok), sum(rec["output_lens"][i] for i in ok),
-                        float(rec["duration"]), len(rec["ttfts"]), len(errors))
-    metrics["bench_serving"] = {k: rec.get(k) for k in (
-        "median_ttft_ms", "p90_ttft_ms", "output_throughput", "total_input_tokens", "duration", "cache_report")}
+    metrics = summarize(
+        [rec["ttfts"][i] for i in ok],
+        sum(rec["input_lens"][i] for i in ok),
+        sum(rec["cached_tokens"][i] for i in ok),
+        sum(rec["output_lens"][i] for i in ok),
+        float(rec["duration"]),
+        len(rec["ttfts"]),
+        len(errors),
+    )
+    metrics["bench_serving"] = {
+        k: rec.get(k)
+        for k in (
+            "median_ttft_ms",
+            "p90_ttft_ms",
+            "output_throughput",
+            "total_input_tokens",
+            "duration",
+            "cache_report",
+        )
+    }
     if verbose:
-        print(f"  [{label}] bench_serving done in {time.time() - t0:.0f}s: hit rate "
-              f"{_fmt(metrics['hit_rate'])}, TTFT p50 {_fmt(metrics['ttft_p50_s'])}s", flush=True)
+        print(
+            f"  [{label}] bench_serving done in {time.time() - t0:.0f}s: hit rate "
+            f"{_fmt(metrics['hit_rate'])}, TTFT p50 {_fmt(metrics['ttft_p50_s'])}s",
+            flush=True,
+        )
     # generated text, not ids: bench_serving returns text only (informational comparison)
     outputs = {f"gsp/{i}": rec["generated_texts"][i] for i in ok}
     return metrics, outputs
@@ -85,9 +150,20 @@ def _fmt(x) -> str:
 
 
 # ----------------------------------------------------------------------------- multi-turn
-def run_multiturn(url: str, label: str, vocab: list[int], *, conversations: int, turns: int,
-                  system_len: int, first_len: int, user_len: int, reply_len: int, seed: int,
-                  verbose: bool = True) -> tuple[dict, dict]:
+def run_multiturn(
+    url: str,
+    label: str,
+    vocab: list[int],
+    *,
+    conversations: int,
+    turns: int,
+    system_len: int,
+    first_len: int,
+    user_len: int,
+    reply_len: int,
+    seed: int,
+    verbose: bool = True,
+) -> tuple[dict, dict]:
     """``conversations`` concurrent chats of ``turns`` turns. All share a ``system_len``-token system
     prompt; turn 0 adds ``first_len`` user tokens; every later turn's prompt is the previous prompt
     + the previous reply (the server's own greedy output ids) + ``user_len`` new user tokens."""
@@ -156,8 +232,9 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
     reqs = sorted(load_trace(path, limit=window), key=lambda r: r.timestamp)
 
     def scaled(r: TraceRequest) -> TraceRequest:
-        return TraceRequest(r.line, r.timestamp, -(-r.input_length // scale),
-                            min(max_output, r.output_length // scale), r.hash_ids)
+        return TraceRequest(
+            r.line, r.timestamp, -(-r.input_length // scale), min(max_output, r.output_length // scale), r.hash_ids
+        )
 
     win = [scaled(r) for r in reqs]
     st = to_symbolic(win, unit=block, block=block)
@@ -174,20 +251,31 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
         chosen.extend(members[rt][: requests_n - len(chosen)])
         convs += 1
     if not chosen:
-        raise ValueError(f"no multi-turn conversation among the first {window} requests of {path}; raise --trace-window")
+        raise ValueError(
+            f"no multi-turn conversation among the first {window} requests of {path}; raise --trace-window"
+        )
     chosen.sort()
     sub = [win[i] for i in chosen]
     sym = to_symbolic(sub, unit=1, block=block)
-    ts = TraceSlice(description={
-        "trace": os.path.abspath(path), "window": window, "requests": len(sub), "conversations": convs,
-        "trace_lines": [r.line for r in sub], "scale": scale, "block_tokens": block,
-        "max_output": max_output,
-        "rule": (f"input lengths / {scale} (ceil), 512-token hash blocks -> {block} tokens, output lengths / "
-                 f"{scale} (floor) capped at {max_output}; multi-turn conversations among the first {window} "
-                 f"requests, in order, until {requests_n} requests; dispatched in trace order, closed loop "
-                 f"(trace timestamps ignored), a turn waits for its previous turn"),
-        "unscaled_prompt_tokens": sum(reqs[i].input_length for i in chosen),
-    })
+    ts = TraceSlice(
+        description={
+            "trace": os.path.abspath(path),
+            "window": window,
+            "requests": len(sub),
+            "conversations": convs,
+            "trace_lines": [r.line for r in sub],
+            "scale": scale,
+            "block_tokens": block,
+            "max_output": max_output,
+            "rule": (
+                f"input lengths / {scale} (ceil), 512-token hash blocks -> {block} tokens, output lengths / "
+                f"{scale} (floor) capped at {max_output}; multi-turn conversations among the first {window} "
+                f"requests, in order, until {requests_n} requests; dispatched in trace order, closed loop "
+                f"(trace timestamps ignored), a turn waits for its previous turn"
+            ),
+            "unscaled_prompt_tokens": sum(reqs[i].input_length for i in chosen),
+        }
+    )
     for i, r in enumerate(sub):
         ts.prompts.append(sym.seq[i][: r.input_length].tolist())
         ts.out_len.append(r.output_length)
@@ -204,8 +292,9 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
     return ts
 
 
-def run_trace(url: str, label: str, ts: TraceSlice, vocab: list[int], *, concurrency: int,
-              verbose: bool = True) -> tuple[dict, dict]:
+def run_trace(
+    url: str, label: str, ts: TraceSlice, vocab: list[int], *, concurrency: int, verbose: bool = True
+) -> tuple[dict, dict]:
     """Replay a :class:`TraceSlice` with real token ids: a hash-block token becomes
     ``vocab[symbol % len(vocab)]``; a token that is an earlier request's output becomes that
     request's actual greedy output token from this server (so a next turn sees the real reply)."""

@@ -1,5 +1,6 @@
 """Cache policies the trace replay compares. Each drives the real ``sglang_k3.cache`` tree
 (see ``base.py``); one module per policy documents the rules it models."""
+
 from __future__ import annotations
 
 from benchmarks.policies.base import Admission, Policy, SimConfig

@@ -23,6 +23,7 @@ Eviction runs when a pool is over its budget and frees down to a low watermark,
 ``(1 - evict_watermark) x budget`` (default 2 %), for every policy alike: the tree re-ranks all
 candidates on each call, and one call per request would not fit the 10-minute limit.
 """
+
 from __future__ import annotations
 
 import math
@@ -136,8 +137,12 @@ class TreePolicy(Policy):
     overshoot_max: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        self.tree = K3RadixTree(num_groups=1, page_size=self.page, hit_unit=self.hit_unit,
-                                eviction=self.eviction or EvictionPolicy(cost=ScaledCost(self.cfg.cost, self.cfg.unit)))
+        self.tree = K3RadixTree(
+            num_groups=1,
+            page_size=self.page,
+            hit_unit=self.hit_unit,
+            eviction=self.eviction or EvictionPolicy(cost=ScaledCost(self.cfg.cost, self.cfg.unit)),
+        )
         if self.state_dtype is not None and not self.ckpt_nbytes:
             self.ckpt_nbytes = self.cfg.checkpoint_bytes(self.state_dtype)
         self._kv_next = 0
@@ -148,8 +153,9 @@ class TreePolicy(Policy):
     def branch_point(self, key: list) -> Optional[int]:
         return None
 
-    def plan_prefill(self, prompt_sym: int, key_len: int, restore: int, mla_len: int,
-                     branch: Optional[int]) -> dict[int, CheckpointKind]:
+    def plan_prefill(
+        self, prompt_sym: int, key_len: int, restore: int, mla_len: int, branch: Optional[int]
+    ) -> dict[int, CheckpointKind]:
         return {}
 
     def plan_finish(self, L: int, O: int, ctx: _Ctx) -> dict[int, CheckpointKind]:
@@ -233,8 +239,11 @@ class TreePolicy(Policy):
         if node is not None:
             self.after_insert(node)
         self.enforce_budget()
-        return Admission(hit_tokens=restore * u, mla_tokens=min(m.mla_len, len(key) - 1) * u,
-                         ctx=_Ctx(node=node, prompt_track=max(plan) if plan else 0))
+        return Admission(
+            hit_tokens=restore * u,
+            mla_tokens=min(m.mla_len, len(key) - 1) * u,
+            ctx=_Ctx(node=node, prompt_track=max(plan) if plan else 0),
+        )
 
     def finish(self, trace, i: int, ctx: _Ctx) -> None:
         L, O = trace.input_len[i], trace.output_len[i]

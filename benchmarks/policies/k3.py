@@ -26,6 +26,7 @@ Deviations (the same for every policy): the whole prefill happens at admission a
 checkpoints at finish; positions snap to symbols, so a state at a partial symbol (a prompt end
 inside 64 tokens) is matched only by the identical prompt.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,8 +124,9 @@ class K3Policy(Policy):
         self.budget_bytes = budget_bytes
         slot_bytes = cfg.checkpoint_bytes(self.k3.checkpoint_dtype)
         capacity = None if self.unified else self.k3.checkpoint_slots
-        self.store = SimulatedStore(self.k3.checkpoint_dtype, slot_bytes, capacity,
-                                    lambda n: self.lifecycle.evict(num_bytes=n))
+        self.store = SimulatedStore(
+            self.k3.checkpoint_dtype, slot_bytes, capacity, lambda n: self.lifecycle.evict(num_bytes=n)
+        )
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
         self.lifecycle = build_lifecycle(self.k3, self.store, ev, self._free_kv, unit=cfg.unit)
         self.tree = self.lifecycle.tree
@@ -201,8 +203,9 @@ class K3Policy(Policy):
             lc.release_pin(run.rid)  # the first forward ran: the copy-on-write has landed
             prefix = end
         self.enforce_budget()
-        return Admission(hit_tokens=restore * self.cfg.unit,
-                         mla_tokens=min(m.mla_len, len(key) - 1) * self.cfg.unit, ctx=run)
+        return Admission(
+            hit_tokens=restore * self.cfg.unit, mla_tokens=min(m.mla_len, len(key) - 1) * self.cfg.unit, ctx=run
+        )
 
     def finish(self, trace, i: int, run: _Running) -> None:
         lc = self.lifecycle

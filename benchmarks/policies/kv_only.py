@@ -5,6 +5,7 @@ capped at ``len(prompt) - 1`` like every policy, rounded to the 64-token symbol.
 least recently used leaves (a leaf without checkpoints is all "dead" KV to the tree, taken in LRU
 order).
 """
+
 from __future__ import annotations
 
 from benchmarks.policies.base import TreePolicy

@@ -15,6 +15,7 @@ Deviations: positions snap down to the 64-token hit unit (Marconi keeps exact la
 the loss is < 64 tokens per hit and the same for k3); Marconi evicts whole nodes with at most one
 child, the tree evicts leaves and single checkpoints.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,9 +30,24 @@ class MarconiPolicy(PlacementTreePolicy):
 
     def __init__(self, cfg: SimConfig, budget_bytes):
         self.placement = scaled_placement(
-            PlacementPolicy(), cfg.unit, at_chunk_end=False, at_prompt_end=True, at_generation_end=True,
-            at_branch_points=True, decode_interval=None, per_path_budget=None, recycle_superseded=False)
-        ev = dataclasses.replace(EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=1.0,
-                                 kv_dtype=cfg.kv_dtype)
-        super().__init__(cfg=cfg, budget_bytes=budget_bytes, page=1, hit_unit=self.placement.hit_unit,
-                         eviction=ev, state_dtype=cfg.checkpoint_dtype)
+            PlacementPolicy(),
+            cfg.unit,
+            at_chunk_end=False,
+            at_prompt_end=True,
+            at_generation_end=True,
+            at_branch_points=True,
+            decode_interval=None,
+            per_path_budget=None,
+            recycle_superseded=False,
+        )
+        ev = dataclasses.replace(
+            EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=1.0, kv_dtype=cfg.kv_dtype
+        )
+        super().__init__(
+            cfg=cfg,
+            budget_bytes=budget_bytes,
+            page=1,
+            hit_unit=self.placement.hit_unit,
+            eviction=ev,
+            state_dtype=cfg.checkpoint_dtype,
+        )

@@ -1,6 +1,7 @@
 """``oracle``: full-attention prefix caching with unlimited memory, the upper bound of any prefix
 cache on this trace: every token ever computed (prompt and output) stays cached, a hit is the
 longest cached prefix. Budget-independent (its record repeats for each budget)."""
+
 from __future__ import annotations
 
 from benchmarks.policies.base import SimConfig

@@ -2,6 +2,7 @@
 ``PlacementPolicy``: the driver of the baselines that are modelled as placement rules on the tree
 (``marconi``, ``vllm-align``). The ``k3`` policy does not use it: it runs the server's own request
 lifecycle (``benchmarks/policies/k3.py``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,9 @@ class PlacementTreePolicy(TreePolicy):
         return self.cfg.chunk_ends(restore, prompt_sym)
 
     def plan_prefill(self, prompt_sym, key_len, restore, mla_len, branch):
-        return self.placement.plan_prefill(prompt_sym, self.prefill_chunk_ends(restore, prompt_sym),
-                                           restore_len=restore, branch_point=branch)
+        return self.placement.plan_prefill(
+            prompt_sym, self.prefill_chunk_ends(restore, prompt_sym), restore_len=restore, branch_point=branch
+        )
 
     def plan_finish(self, L, O, ctx):
         u = self.cfg.unit

@@ -46,6 +46,7 @@ Deviations (small, stated): the tree locks a running request's whole path for KV
 (upstream deletes the leaf at once), so that KV can still produce a branch point; the active and
 ping-pong slots of running requests are not charged to the state pool (for no policy).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,12 +63,21 @@ class UpstreamPolicy(TreePolicy):
     def __init__(self, cfg: SimConfig, budget_bytes):
         if TRACK_INTERVAL % cfg.unit:
             raise ValueError(f"symbol size {cfg.unit} must divide the track interval {TRACK_INTERVAL}")
-        ev = dataclasses.replace(EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=0.0,
-                                 kv_dtype=cfg.kv_dtype)
+        ev = dataclasses.replace(
+            EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=0.0, kv_dtype=cfg.kv_dtype
+        )
         r = cfg.upstream_mamba_ratio
-        super().__init__(cfg=cfg, budget_bytes=budget_bytes, page=1, hit_unit=1, eviction=ev,
-                         state_dtype=cfg.baseline_state_dtype, pool="split", state_share=r / (1 + r),
-                         insert_to_last_checkpoint=True)
+        super().__init__(
+            cfg=cfg,
+            budget_bytes=budget_bytes,
+            page=1,
+            hit_unit=1,
+            eviction=ev,
+            state_dtype=cfg.baseline_state_dtype,
+            pool="split",
+            state_share=r / (1 + r),
+            insert_to_last_checkpoint=True,
+        )
 
     def plan_prefill(self, prompt_sym, key_len, restore, mla_len, branch):
         u = self.cfg.unit

@@ -16,6 +16,7 @@ Rules modelled (from vLLM's documentation and issues, not its code, which is not
   unified budget; the tree frees LRU leaves with their states).
 * States in ``--baseline-state-dtype`` (default fp32; vLLM has no quantised state cache).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,14 +43,30 @@ class VllmAlignPolicy(PlacementTreePolicy):
         self.block = block_tokens(cfg)
         page = self.block // cfg.unit
         self.placement = dataclasses.replace(
-            PlacementPolicy(), hit_unit=page, at_chunk_end=True, at_prompt_end=True, at_generation_end=True,
-            decode_interval=page, at_branch_points=False, per_path_budget=None, recycle_superseded=False)
+            PlacementPolicy(),
+            hit_unit=page,
+            at_chunk_end=True,
+            at_prompt_end=True,
+            at_generation_end=True,
+            decode_interval=page,
+            at_branch_points=False,
+            per_path_budget=None,
+            recycle_superseded=False,
+        )
         c = cfg.cost
         nbytes = c.num_kda_layers * self.block * (c.kv_lora_rank + c.qk_rope_dim) * DTYPE_BYTES[cfg.kv_dtype]
-        ev = dataclasses.replace(EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=0.0,
-                                 kv_dtype=cfg.kv_dtype)
-        super().__init__(cfg=cfg, budget_bytes=budget_bytes, page=page, hit_unit=page, eviction=ev,
-                         state_dtype=cfg.baseline_state_dtype, ckpt_nbytes=nbytes)
+        ev = dataclasses.replace(
+            EvictionPolicy(), cost=ScaledCost(cfg.cost, cfg.unit), alpha=0.0, kv_dtype=cfg.kv_dtype
+        )
+        super().__init__(
+            cfg=cfg,
+            budget_bytes=budget_bytes,
+            page=page,
+            hit_unit=page,
+            eviction=ev,
+            state_dtype=cfg.baseline_state_dtype,
+            ckpt_nbytes=nbytes,
+        )
 
     def prefill_chunk_ends(self, restore, prompt_sym):
         p = self.page  # every block boundary the prefill crosses

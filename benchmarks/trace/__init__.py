@@ -1,6 +1,11 @@
 """Mooncake-format trace loading and its deterministic conversion to token sequences."""
+
 from benchmarks.trace.mooncake import (
-    TraceError, TraceRequest, SymbolicTrace, load_trace, to_symbolic,
+    SymbolicTrace,
+    TraceError,
+    TraceRequest,
+    load_trace,
+    to_symbolic,
 )
 
 __all__ = ["TraceError", "TraceRequest", "SymbolicTrace", "load_trace", "to_symbolic"]

@@ -43,6 +43,7 @@ full one. All hit lengths the tree returns are in symbols and are multiplied by 
 tokens; every KDA restore lands on a multiple of 64 real tokens anyway, and MLA-only hits
 (``fa-budget``, ``oracle``) are rounded down to 64 tokens like every other policy.
 """
+
 from __future__ import annotations
 
 import json
@@ -103,12 +104,17 @@ def load_trace(path: str, limit: Optional[int] = None, block: int = BLOCK) -> li
                 raise _fail(path, lineno, f"input_length must be an integer >= 1, got {il!r}")
             if isinstance(ol, bool) or not isinstance(ol, int) or ol < 0:
                 raise _fail(path, lineno, f"output_length must be an integer >= 0, got {ol!r}")
-            if not isinstance(hs, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs):
+            if not isinstance(hs, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hs
+            ):
                 raise _fail(path, lineno, "hash_ids must be a list of integers >= 0")
             need = -(-il // block)
             if len(hs) != need:
-                raise _fail(path, lineno, f"hash_ids has {len(hs)} entries but input_length {il} "
-                                          f"needs ceil({il}/{block}) = {need}")
+                raise _fail(
+                    path,
+                    lineno,
+                    f"hash_ids has {len(hs)} entries but input_length {il} needs ceil({il}/{block}) = {need}",
+                )
             out.append(TraceRequest(lineno, float(ts), il, ol, tuple(hs)))
     if not out:
         raise TraceError(f"trace has no requests: {path}")
@@ -117,6 +123,7 @@ def load_trace(path: str, limit: Optional[int] = None, block: int = BLOCK) -> li
 
 # ---------------------------------------------------------------------------------- atoms / runs
 # A run is (source, start, end): atoms (source, start) .. (source, end - 1).
+
 
 def _append(runs: list, src: int, a: int, b: int) -> None:
     if b <= a:
@@ -199,8 +206,13 @@ def _symbols(runs: list, total: int, unit: int) -> array:
     return out
 
 
-def to_symbolic(reqs: Iterable[TraceRequest], unit: int = 64, block: int = BLOCK,
-                timestamp_scale: float = 1e-3, min_parent_blocks: int = 2) -> SymbolicTrace:
+def to_symbolic(
+    reqs: Iterable[TraceRequest],
+    unit: int = 64,
+    block: int = BLOCK,
+    timestamp_scale: float = 1e-3,
+    min_parent_blocks: int = 2,
+) -> SymbolicTrace:
     """Convert validated requests (in trace order, stably sorted by timestamp) to symbols."""
     reqs = sorted(reqs, key=lambda r: r.timestamp)
     memo: dict[int, list] = {}  # hash id -> runs of its (possibly partial) block content

@@ -23,6 +23,7 @@ scales give 0.63% relative round-trip error against 0.91% for per-v scales; spli
 groups gives 0.53% (a 17% gain) for 4x the scale bytes (12.5% of an int8 checkpoint instead of
 3%) and a smaller tile per scale. bf16 is 0.17% at twice the bytes. We keep per-(head, k).
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,43 +48,79 @@ def _use_triton(t: torch.Tensor, use_triton) -> bool:
     return bool(use_triton)
 
 
-def quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots,
-                  *, use_triton=None, **kw) -> torch.Tensor:
+def quant_scatter(
+    src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots, *, use_triton=None, **kw
+) -> torch.Tensor:
     if _use_triton(src_temporal, use_triton):
         return _tk.quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots, **kw)
     return ref.quant_scatter_ref(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots)
 
 
-def gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, use_triton=None, **kw) -> None:
+def gather_dequant(
+    src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, *, use_triton=None, **kw
+) -> None:
     if _use_triton(src_q, use_triton):
         return _tk.gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, **kw)
     return ref.gather_dequant_ref(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots)
 
 
-def copy_to_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                 *, use_triton=None, **kw) -> torch.Tensor:
+def copy_to_ckpt(
+    src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, *, use_triton=None, **kw
+) -> torch.Tensor:
     if _use_triton(src_temporal, use_triton):
         return _tk.copy_to_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, **kw)
     return ref.copy_to_ckpt_ref(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots)
 
 
-def copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, use_triton=None, **kw) -> None:
+def copy_from_ckpt(
+    src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, *, use_triton=None, **kw
+) -> None:
     if _use_triton(src_temporal, use_triton):
         return _tk.copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots, **kw)
     return ref.copy_from_ckpt_ref(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots)
 
 
-def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, state_v_first=False,
-                       conv_src=None, token_ends=None, dst_conv=None, use_triton=None, **kw) -> torch.Tensor:
+def store_intermediate(
+    h,
+    chunk_idx,
+    layer,
+    dst_q,
+    dst_scale,
+    dst_slots,
+    *,
+    state_v_first=False,
+    conv_src=None,
+    token_ends=None,
+    dst_conv=None,
+    use_triton=None,
+    **kw,
+) -> torch.Tensor:
     if _use_triton(h, use_triton):
-        return _tk.store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots,
-                                      state_v_first=state_v_first, conv_src=conv_src,
-                                      token_ends=token_ends, dst_conv=dst_conv, **kw)
-    return ref.store_intermediate_ref(h, chunk_idx, layer, dst_q, dst_scale, dst_slots,
-                                      state_v_first=state_v_first, conv_src=conv_src,
-                                      token_ends=token_ends, dst_conv=dst_conv)
+        return _tk.store_intermediate(
+            h,
+            chunk_idx,
+            layer,
+            dst_q,
+            dst_scale,
+            dst_slots,
+            state_v_first=state_v_first,
+            conv_src=conv_src,
+            token_ends=token_ends,
+            dst_conv=dst_conv,
+            **kw,
+        )
+    return ref.store_intermediate_ref(
+        h,
+        chunk_idx,
+        layer,
+        dst_q,
+        dst_scale,
+        dst_slots,
+        state_v_first=state_v_first,
+        conv_src=conv_src,
+        token_ends=token_ends,
+        dst_conv=dst_conv,
+    )
 
 
 def intermediate_chunk_index(chunk_offsets, seq: int, n_tokens: int, chunk_size: int = 64) -> int:
@@ -98,6 +135,12 @@ def intermediate_chunk_index(chunk_offsets, seq: int, n_tokens: int, chunk_size:
 
 
 __all__ = [
-    "quant_scatter", "gather_dequant", "copy_to_ckpt", "copy_from_ckpt", "store_intermediate",
-    "intermediate_chunk_index", "triton_available", "ref",
+    "quant_scatter",
+    "gather_dequant",
+    "copy_to_ckpt",
+    "copy_from_ckpt",
+    "store_intermediate",
+    "intermediate_chunk_index",
+    "triton_available",
+    "ref",
 ]

@@ -21,6 +21,7 @@ Non-finite check: a pair is *bad* when any source element (temporal or conv) is 
 the stored value would be non-finite (bf16 overflow). The references return a bool tensor
 ``bad[n_pairs]``; the data of bad pairs is still written (the pool refuses those slots).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,8 +44,9 @@ def quantize_tile(x: torch.Tensor):
     scale = torch.where(ok, torch.div(amax, torch.full_like(amax, QMAX)), torch.zeros_like(amax))
     # torch.div(tensor, tensor), not `127 / t`: Tensor.__rtruediv__ is reciprocal()*127, which
     # differs from an IEEE division by an ulp and would flip round-half cases against the kernel
-    inv = torch.where(ok, torch.div(torch.full_like(amax, QMAX), torch.where(ok, amax, torch.ones_like(amax))),
-                      torch.zeros_like(amax))
+    inv = torch.where(
+        ok, torch.div(torch.full_like(amax, QMAX), torch.where(ok, amax, torch.ones_like(amax))), torch.zeros_like(amax)
+    )
     q = torch.round(xf * inv.unsqueeze(-2)).clamp_(-QMAX, QMAX)
     q = torch.nan_to_num(q, nan=0.0).to(torch.int8)
     return q, scale
@@ -198,10 +200,18 @@ def store_intermediate_ref(
             raise ValueError("h and conv_src need one leading entry per layer")
         bad = None
         for i, li in enumerate(layers):
-            b = store_intermediate_ref(h[i], chunk_idx, li, dst_q, dst_scale, dst_slots,
-                                       state_v_first=state_v_first,
-                                       conv_src=None if conv_src is None else conv_src[i],
-                                       token_ends=token_ends, dst_conv=dst_conv)
+            b = store_intermediate_ref(
+                h[i],
+                chunk_idx,
+                li,
+                dst_q,
+                dst_scale,
+                dst_slots,
+                state_v_first=state_v_first,
+                conv_src=None if conv_src is None else conv_src[i],
+                token_ends=token_ends,
+                dst_conv=dst_conv,
+            )
             bad = b if bad is None else bad | b
         return bad
     dev = h.device

@@ -11,6 +11,7 @@ of the same (pair, layer) in its native dtype.
 
 Index arithmetic is int64 (a K3 active pool exceeds 2**31 elements).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,6 +24,7 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
+
     @triton.jit
     def _rint(y):
         # round half to even, exact for |y| < 2**22: the interpreter has no libdevice
@@ -56,15 +58,32 @@ def _conv_copy_part(
 
 @triton.jit
 def _quant_scatter_kernel(
-    x_ptr, x_sl, x_ss,
-    q_ptr, q_sl, q_ss,
-    sc_ptr, sc_sl, sc_ss,
-    cs_ptr, cs_sl, cs_ss,
-    cd_ptr, cd_sl, cd_ss,
-    src_idx_ptr, dst_idx_ptr, bad_ptr,
+    x_ptr,
+    x_sl,
+    x_ss,
+    q_ptr,
+    q_sl,
+    q_ss,
+    sc_ptr,
+    sc_sl,
+    sc_ss,
+    cs_ptr,
+    cs_sl,
+    cs_ss,
+    cd_ptr,
+    cd_sl,
+    cd_ss,
+    src_idx_ptr,
+    dst_idx_ptr,
+    bad_ptr,
     CONV_N,
-    H: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-    VP: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, HAS_CONV: tl.constexpr,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    K: tl.constexpr,
+    VP: tl.constexpr,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_CONV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
@@ -95,23 +114,38 @@ def _quant_scatter_kernel(
     else:
         nbad = pid * 0
         if HAS_CONV:
-            nbad = _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d,
-                                   pid - H * NKB, CONV_N, BC, True)
+            nbad = _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d, pid - H * NKB, CONV_N, BC, True)
     if nbad > 0:
         tl.store(bad_ptr + p, 1)
 
 
 @triton.jit
 def _gather_dequant_kernel(
-    q_ptr, q_sl, q_ss,
-    sc_ptr, sc_sl, sc_ss,
-    y_ptr, y_sl, y_ss,
-    cs_ptr, cs_sl, cs_ss,
-    cd_ptr, cd_sl, cd_ss,
-    src_idx_ptr, dst_idx_ptr,
+    q_ptr,
+    q_sl,
+    q_ss,
+    sc_ptr,
+    sc_sl,
+    sc_ss,
+    y_ptr,
+    y_sl,
+    y_ss,
+    cs_ptr,
+    cs_sl,
+    cs_ss,
+    cd_ptr,
+    cd_sl,
+    cd_ss,
+    src_idx_ptr,
+    dst_idx_ptr,
     CONV_N,
-    H: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-    VP: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, HAS_CONV: tl.constexpr,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    K: tl.constexpr,
+    VP: tl.constexpr,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_CONV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
@@ -132,19 +166,32 @@ def _gather_dequant_kernel(
         tl.store(y_ptr + l * y_sl + d * y_ss + inner, y.to(y_ptr.dtype.element_ty), mask=m)
     else:
         if HAS_CONV:
-            _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d,
-                            pid - H * NKB, CONV_N, BC, False)
+            _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d, pid - H * NKB, CONV_N, BC, False)
 
 
 @triton.jit
 def _slot_copy_kernel(
-    x_ptr, x_sl, x_ss,
-    y_ptr, y_sl, y_ss,
-    cs_ptr, cs_sl, cs_ss,
-    cd_ptr, cd_sl, cd_ss,
-    src_idx_ptr, dst_idx_ptr, bad_ptr,
-    N, CONV_N,
-    BT: tl.constexpr, BC: tl.constexpr, HAS_CONV: tl.constexpr, CHECK: tl.constexpr,
+    x_ptr,
+    x_sl,
+    x_ss,
+    y_ptr,
+    y_sl,
+    y_ss,
+    cs_ptr,
+    cs_sl,
+    cs_ss,
+    cd_ptr,
+    cd_sl,
+    cd_ss,
+    src_idx_ptr,
+    dst_idx_ptr,
+    bad_ptr,
+    N,
+    CONV_N,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    HAS_CONV: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     l = tl.program_id(1).to(tl.int64)
@@ -170,25 +217,46 @@ def _slot_copy_kernel(
     else:
         nbad = pid * 0
         if HAS_CONV:
-            nbad = _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d,
-                                   pid - NB, CONV_N, BC, CHECK)
-    if CHECK:
-        if nbad > 0:
-            tl.store(bad_ptr + p, 1)
+            nbad = _conv_copy_part(cs_ptr, cs_sl, cs_ss, cd_ptr, cd_sl, cd_ss, l, s, d, pid - NB, CONV_N, BC, CHECK)
+    if CHECK and nbad > 0:
+        tl.store(bad_ptr + p, 1)
 
 
 @triton.jit
 def _store_intermediate_kernel(
-    h_ptr, h_sl, h_sc, h_sh, h_sv, h_sk,
-    q_ptr, q_sl, q_ss,
-    sc_ptr, sc_sl, sc_ss,
-    t_ptr, t_sl, t_st,
-    cd_ptr, cd_sl, cd_ss,
-    chunk_idx_ptr, dst_idx_ptr, tok_ptr, bad_ptr,
-    CONV_N, CONV_D, CONV_W,
-    H: tl.constexpr, V: tl.constexpr, K: tl.constexpr,
-    VP: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-    QUANT: tl.constexpr, HAS_CONV: tl.constexpr,
+    h_ptr,
+    h_sl,
+    h_sc,
+    h_sh,
+    h_sv,
+    h_sk,
+    q_ptr,
+    q_sl,
+    q_ss,
+    sc_ptr,
+    sc_sl,
+    sc_ss,
+    t_ptr,
+    t_sl,
+    t_st,
+    cd_ptr,
+    cd_sl,
+    cd_ss,
+    chunk_idx_ptr,
+    dst_idx_ptr,
+    tok_ptr,
+    bad_ptr,
+    CONV_N,
+    CONV_D,
+    CONV_W,
+    H: tl.constexpr,
+    V: tl.constexpr,
+    K: tl.constexpr,
+    VP: tl.constexpr,
+    BK: tl.constexpr,
+    BC: tl.constexpr,
+    QUANT: tl.constexpr,
+    HAS_CONV: tl.constexpr,
 ):
     # q_ptr / sc_ptr / cd_ptr point at the first target layer of slot 0; program_id(2) is the
     # layer within the stack (h and the token stream have one leading entry per layer)
@@ -242,6 +310,7 @@ def _store_intermediate_kernel(
 # --------------------------------------------------------------------------------------------
 # wrappers: validate layouts, build the grid, launch once.
 
+
 def _idx(x, device) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.int32, device=device).reshape(-1)
     return t.contiguous()
@@ -264,8 +333,10 @@ def _conv_args(src_conv, dst_conv, src_layer_major: bool):
     n = 1
     for sz in src_conv.shape[2:]:
         n *= sz
+
     def ls(t, layer_major):
         return (t.stride(0), t.stride(1)) if layer_major else (t.stride(1), t.stride(0))
+
     return (src_conv, *ls(src_conv, src_layer_major), dst_conv, *ls(dst_conv, not src_layer_major)), n
 
 
@@ -284,8 +355,20 @@ def _next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv, dst_slots,
-                  *, BK: int = 32, BC: int = 4096, num_warps: int = 2, bad=None) -> torch.Tensor:
+def quant_scatter(
+    src_temporal,
+    src_conv,
+    src_slots,
+    dst_q,
+    dst_scale,
+    dst_conv,
+    dst_slots,
+    *,
+    BK: int = 32,
+    BC: int = 4096,
+    num_warps: int = 2,
+    bad=None,
+) -> torch.Tensor:
     L, _, H, V, K = src_temporal.shape
     dev = src_temporal.device
     si, di = _idx(src_slots, dev), _idx(dst_slots, dev)
@@ -299,18 +382,45 @@ def quant_scatter(src_temporal, src_conv, src_slots, dst_q, dst_scale, dst_conv,
     tiles = H * triton.cdiv(K, BK)
     grid = (tiles + triton.cdiv(conv_n, BC), L, n)
     _quant_scatter_kernel[grid](
-        src_temporal, src_temporal.stride(0), src_temporal.stride(1),
-        dst_q, dst_q.stride(1), dst_q.stride(0),
-        dst_scale, dst_scale.stride(1), dst_scale.stride(0),
-        *conv, si, di, bad, conv_n,
-        H=H, V=V, K=K, VP=_next_pow2(V), BK=BK, BC=BC, HAS_CONV=src_conv is not None,
+        src_temporal,
+        src_temporal.stride(0),
+        src_temporal.stride(1),
+        dst_q,
+        dst_q.stride(1),
+        dst_q.stride(0),
+        dst_scale,
+        dst_scale.stride(1),
+        dst_scale.stride(0),
+        *conv,
+        si,
+        di,
+        bad,
+        conv_n,
+        H=H,
+        V=V,
+        K=K,
+        VP=_next_pow2(V),
+        BK=BK,
+        BC=BC,
+        HAS_CONV=src_conv is not None,
         num_warps=num_warps,
     )
     return bad[:n].bool()
 
 
-def gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, BK: int = 64, BC: int = 4096, num_warps: int = 8) -> None:
+def gather_dequant(
+    src_q,
+    src_scale,
+    src_conv,
+    src_slots,
+    dst_temporal,
+    dst_conv,
+    dst_slots,
+    *,
+    BK: int = 64,
+    BC: int = 4096,
+    num_warps: int = 8,
+) -> None:
     L, _, H, V, K = dst_temporal.shape
     dev = dst_temporal.device
     si, di = _idx(src_slots, dev), _idx(dst_slots, dev)
@@ -323,17 +433,44 @@ def gather_dequant(src_q, src_scale, src_conv, src_slots, dst_temporal, dst_conv
     tiles = H * triton.cdiv(K, BK)
     grid = (tiles + triton.cdiv(conv_n, BC), L, n)
     _gather_dequant_kernel[grid](
-        src_q, src_q.stride(1), src_q.stride(0),
-        src_scale, src_scale.stride(1), src_scale.stride(0),
-        dst_temporal, dst_temporal.stride(0), dst_temporal.stride(1),
-        *conv, si, di, conv_n,
-        H=H, V=V, K=K, VP=_next_pow2(V), BK=BK, BC=BC, HAS_CONV=src_conv is not None,
+        src_q,
+        src_q.stride(1),
+        src_q.stride(0),
+        src_scale,
+        src_scale.stride(1),
+        src_scale.stride(0),
+        dst_temporal,
+        dst_temporal.stride(0),
+        dst_temporal.stride(1),
+        *conv,
+        si,
+        di,
+        conv_n,
+        H=H,
+        V=V,
+        K=K,
+        VP=_next_pow2(V),
+        BK=BK,
+        BC=BC,
+        HAS_CONV=src_conv is not None,
         num_warps=num_warps,
     )
 
 
-def _slot_copy(src_t, src_conv, si, dst_t, dst_conv, di, src_layer_major: bool, check: bool,
-               BT: int, BC: int, num_warps: int, bad=None):
+def _slot_copy(
+    src_t,
+    src_conv,
+    si,
+    dst_t,
+    dst_conv,
+    di,
+    src_layer_major: bool,
+    check: bool,
+    BT: int,
+    BC: int,
+    num_warps: int,
+    bad=None,
+):
     dev = src_t.device
     n = si.numel()
     bad = _flags(n, dev, bad) if check else si  # unused (never written) without the check
@@ -345,30 +482,88 @@ def _slot_copy(src_t, src_conv, si, dst_t, dst_conv, di, src_layer_major: bool, 
     N = 1
     for sz in src_t.shape[2:]:
         N *= sz
+
     def ls(t, layer_major):
         return (t.stride(0), t.stride(1)) if layer_major else (t.stride(1), t.stride(0))
+
     conv, conv_n = _conv_args(src_conv, dst_conv, src_layer_major)
     grid = (triton.cdiv(N, BT) + triton.cdiv(conv_n, BC), L, n)
     _slot_copy_kernel[grid](
-        src_t, *ls(src_t, src_layer_major), dst_t, *ls(dst_t, not src_layer_major),
-        *conv, si, di, bad, N, conv_n,
-        BT=BT, BC=BC, HAS_CONV=src_conv is not None, CHECK=check, num_warps=num_warps,
+        src_t,
+        *ls(src_t, src_layer_major),
+        dst_t,
+        *ls(dst_t, not src_layer_major),
+        *conv,
+        si,
+        di,
+        bad,
+        N,
+        conv_n,
+        BT=BT,
+        BC=BC,
+        HAS_CONV=src_conv is not None,
+        CHECK=check,
+        num_warps=num_warps,
     )
     return bad[:n].bool() if check else None
 
 
-def copy_to_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                 *, BT: int = 1024, BC: int = 4096, num_warps: int = 4, bad=None) -> torch.Tensor:
+def copy_to_ckpt(
+    src_temporal,
+    src_conv,
+    src_slots,
+    dst_temporal,
+    dst_conv,
+    dst_slots,
+    *,
+    BT: int = 1024,
+    BC: int = 4096,
+    num_warps: int = 4,
+    bad=None,
+) -> torch.Tensor:
     dev = src_temporal.device
-    return _slot_copy(src_temporal, src_conv, _idx(src_slots, dev), dst_temporal, dst_conv,
-                      _idx(dst_slots, dev), True, True, BT, BC, num_warps, bad)
+    return _slot_copy(
+        src_temporal,
+        src_conv,
+        _idx(src_slots, dev),
+        dst_temporal,
+        dst_conv,
+        _idx(dst_slots, dev),
+        True,
+        True,
+        BT,
+        BC,
+        num_warps,
+        bad,
+    )
 
 
-def copy_from_ckpt(src_temporal, src_conv, src_slots, dst_temporal, dst_conv, dst_slots,
-                   *, BT: int = 1024, BC: int = 4096, num_warps: int = 4) -> None:
+def copy_from_ckpt(
+    src_temporal,
+    src_conv,
+    src_slots,
+    dst_temporal,
+    dst_conv,
+    dst_slots,
+    *,
+    BT: int = 1024,
+    BC: int = 4096,
+    num_warps: int = 4,
+) -> None:
     dev = src_temporal.device
-    _slot_copy(src_temporal, src_conv, _idx(src_slots, dev), dst_temporal, dst_conv,
-               _idx(dst_slots, dev), False, False, BT, BC, num_warps)
+    _slot_copy(
+        src_temporal,
+        src_conv,
+        _idx(src_slots, dev),
+        dst_temporal,
+        dst_conv,
+        _idx(dst_slots, dev),
+        False,
+        False,
+        BT,
+        BC,
+        num_warps,
+    )
 
 
 def _layer_run(layer, n_stack: int) -> tuple[int, int]:
@@ -384,9 +579,23 @@ def _layer_run(layer, n_stack: int) -> tuple[int, int]:
     return layers[0], len(layers)
 
 
-def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, state_v_first=False,
-                       conv_src=None, token_ends=None, dst_conv=None,
-                       BK: int = 32, BC: int = 4096, num_warps: int = 2, bad=None) -> torch.Tensor:
+def store_intermediate(
+    h,
+    chunk_idx,
+    layer,
+    dst_q,
+    dst_scale,
+    dst_slots,
+    *,
+    state_v_first=False,
+    conv_src=None,
+    token_ends=None,
+    dst_conv=None,
+    BK: int = 32,
+    BC: int = 4096,
+    num_warps: int = 2,
+    bad=None,
+) -> torch.Tensor:
     """One launch for all pairs and (with ``layer`` a sequence) all layers of the stack: see
     ``reference.store_intermediate_ref`` for the layouts."""
     H, V, K = dst_q.shape[2:]
@@ -419,9 +628,9 @@ def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, stat
         conv_d = conv_src.shape[-1]
         conv_n = dst_conv.shape[-1]
         conv_w = conv_n // conv_d
-        if not torch.is_tensor(token_ends):  # host values: check without a device sync
-            if min(int(x) for x in token_ends) < conv_w:
-                raise ValueError("a boundary is closer than the conv width to the stream start")
+        # host values: check without a device sync
+        if not torch.is_tensor(token_ends) and min(int(x) for x in token_ends) < conv_w:
+            raise ValueError("a boundary is closer than the conv width to the stream start")
         te = _idx(token_ends, dev)  # device tensors are the caller's responsibility (no sync)
         cd_l = dst_conv[:, first]
         t_sl = conv_src.stride(0) if multi else 0
@@ -433,11 +642,33 @@ def store_intermediate(h, chunk_idx, layer, dst_q, dst_scale, dst_slots, *, stat
     tiles = H * triton.cdiv(K, BK)
     grid = (tiles + triton.cdiv(conv_n, BC), n, n_layers)
     _store_intermediate_kernel[grid](
-        hf, h_sl, hf.stride(1), hf.stride(2), h_sv, h_sk,
-        q_l, dst_q.stride(1), dst_q.stride(0), sc_l, *sc_strides,
+        hf,
+        h_sl,
+        hf.stride(1),
+        hf.stride(2),
+        h_sv,
+        h_sk,
+        q_l,
+        dst_q.stride(1),
+        dst_q.stride(0),
+        sc_l,
+        *sc_strides,
         *conv,
-        ci, di, te, bad, conv_n, conv_d, conv_w,
-        H=H, V=V, K=K, VP=_next_pow2(V), BK=BK, BC=BC, QUANT=quant, HAS_CONV=conv_src is not None,
+        ci,
+        di,
+        te,
+        bad,
+        conv_n,
+        conv_d,
+        conv_w,
+        H=H,
+        V=V,
+        K=K,
+        VP=_next_pow2(V),
+        BK=BK,
+        BC=BC,
+        QUANT=quant,
+        HAS_CONV=conv_src is not None,
         num_warps=num_warps,
     )
     return bad[:n].bool()

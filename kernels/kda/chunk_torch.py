@@ -20,6 +20,7 @@ last token of the earlier block, diagonal blocks are computed pairwise.
 Varlen batches are packed chunk by chunk (no padding to the longest sequence); only the
 chunk-to-chunk state recurrence is sequential, and it runs over all sequences at once.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -143,7 +144,7 @@ def chunk_kda_torch(
     assert HV % H == 0, "HV must be a multiple of H"
     G = HV // H
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     varlen = cu_seqlens is not None
     if varlen:
         assert B == 1, "cu_seqlens requires batch size 1"

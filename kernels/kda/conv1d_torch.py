@@ -13,6 +13,7 @@ Conventions follow upstream's ``causal_conv1d_triton`` (channel-first views):
 Rows whose slot is ``pad_slot_id`` are computed from a zero history and do not touch the cache
 (upstream leaves them unwritten; they are padding either way).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -60,11 +61,7 @@ def causal_conv1d_varlen_torch(
     ext[:, tok_pos] = xf
     if N == 0:
         return torch.empty_like(x)
-    slots = (
-        cache_indices.to(torch.long).cpu()
-        if cache_indices is not None
-        else torch.arange(N, dtype=torch.long)
-    )
+    slots = cache_indices.to(torch.long).cpu() if cache_indices is not None else torch.arange(N, dtype=torch.long)
     has_slot = slots != pad_slot_id
     if conv_states is not None:
         load = has_slot.clone()
@@ -107,11 +104,7 @@ def causal_conv1d_update_torch(
     B, dim, L = x.shape
     W = weight.shape[1]
     P = W - 1
-    slots = (
-        conv_state_indices.to(torch.long)
-        if conv_state_indices is not None
-        else torch.arange(B, dtype=torch.long)
-    )
+    slots = conv_state_indices.to(torch.long) if conv_state_indices is not None else torch.arange(B, dtype=torch.long)
     valid = slots != pad_slot_id
     state_len = conv_state.shape[-1]
     hist = x.new_zeros(B, dim, state_len, dtype=torch.float32)

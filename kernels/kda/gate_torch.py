@@ -1,4 +1,5 @@
 """KDA gate activation and the q/k L2 norm, as upstream's kernels compute them (fp32)."""
+
 from __future__ import annotations
 
 from typing import Optional

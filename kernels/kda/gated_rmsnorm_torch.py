@@ -7,6 +7,7 @@
 
 Computed in fp32 over the last dimension; output in ``x.dtype``.
 """
+
 from __future__ import annotations
 
 from typing import Optional

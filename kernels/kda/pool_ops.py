@@ -13,6 +13,7 @@ wraps), so the CPU path is a drop-in:
   raw (sigmoid applied here) when ``beta_is_raw`` (extend) and always in decode.
 - q/k are L2-normalised inside (``use_qk_l2norm_in_kernel=True`` upstream); scale ``K ** -0.5``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -75,7 +76,11 @@ def kda_chunk_extend_pool(
     init, valid = _load_states(ssm_states, idx, HV, K, V)
     need_h = return_intermediate_states or track_state is not None
     res = chunk_kda_torch(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         scale=scale,
         initial_state=init,
         output_final_state=True,
@@ -132,7 +137,11 @@ def kda_recurrent_decode_pool(
     idx = cache_indices.to(torch.long).cpu()
     init, valid = _load_states(ssm_states, idx, HV, K, V)
     o, final = fused_recurrent_kda_torch(
-        q, k, v, g, beta,
+        q,
+        k,
+        v,
+        g,
+        beta,
         scale=scale,
         initial_state=init,
         output_final_state=True,
@@ -171,7 +180,11 @@ def kda_packed_decode_pool(
     v = v.reshape(1, Bsz, num_v_heads, head_v_dim)
     qsl = torch.arange(Bsz + 1, dtype=torch.long)
     return kda_recurrent_decode_pool(
-        q, k, v, a, b,
+        q,
+        k,
+        v,
+        a,
+        b,
         A_log=A_log,
         dt_bias=dt_bias,
         ssm_states=ssm_states,

@@ -9,6 +9,7 @@ One step, per value head (state ``S`` is ``[K, V]``, ``q`` already scaled):
 Vectorized over sequences and heads; varlen batches step all sequences together, so a decode
 batch (one token per sequence) is one vectorized step.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -61,7 +62,7 @@ def fused_recurrent_kda_torch(
     HV, V = v.shape[-2], v.shape[-1]
     G = HV // H
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     if cu_seqlens is not None:
         assert B == 1, "cu_seqlens requires batch size 1"
         cu = cu_seqlens.to(torch.long).cpu()
@@ -98,9 +99,7 @@ def fused_recurrent_kda_torch(
         for t in range(max_len):
             act = (lens > t).nonzero(as_tuple=True)[0]
             rows = starts[act] + t
-            o[rows], S_new = kda_recurrent_step(
-                S[act], qf[rows], kf[rows], vf[rows], gf[rows], bf[rows]
-            )
+            o[rows], S_new = kda_recurrent_step(S[act], qf[rows], kf[rows], vf[rows], gf[rows], bf[rows])
             S[act] = S_new
     o = o.reshape(B, T, HV, V).to(v.dtype)
     final = None

@@ -6,6 +6,7 @@ after another checkpoint saves almost nothing, yet both hold the same 40 MiB. Sc
 normalised over the candidate set (min-max) so ``alpha`` weighs the two terms independent of
 units; ``alpha = 0`` is pure LRU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -25,6 +25,7 @@ write has been issued (``_land``). Stores run at once, or, inside a store scope
 (:meth:`begin_store_scope`, one per scheduler step) with a store that batches, are queued as
 :class:`QueuedStore` records and run in one call when the scope closes (:meth:`flush_stores`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -143,8 +144,15 @@ class CacheLifecycle:
         self.counters = LifecycleCounters()
 
     # ------------------------------------------------------------------ match
-    def match(self, rid: Optional[str], tokens: Sequence[int], *, admit: bool,
-              prompt_len: Optional[int] = None, is_done: Callable[[], bool] = _never_done) -> MatchResult:
+    def match(
+        self,
+        rid: Optional[str],
+        tokens: Sequence[int],
+        *,
+        admit: bool,
+        prompt_len: Optional[int] = None,
+        is_done: Callable[[], bool] = _never_done,
+    ) -> MatchResult:
         """Look ``tokens`` up. With ``admit`` (the request is about to be scheduled and will copy
         the hit) the request is recorded, its branch point found and the hit pinned; a re-match
         replaces the previous record's pin. Without it, a read-only lookup (sorting, probing)."""
@@ -207,8 +215,11 @@ class CacheLifecycle:
         """Which exported grid positions of ``rid``'s extend the cache may store (asked when the
         forward begins, so only those rows are kept)."""
         rec = self.requests.get(rid) if rid is not None else None
-        return list(self.placement.export_candidates(
-            grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None))
+        return list(
+            self.placement.export_candidates(
+                grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None
+            )
+        )
 
     def store_exports(self, rid: str, node: Node, end: int, source: ExportSource) -> None:
         """Keep the exported states :meth:`export_plan` wanted: the last grid point before the
@@ -216,7 +227,8 @@ class CacheLifecycle:
         branch point (requests sharing only that prefix hit)."""
         rec = self.requests.get(rid)
         wanted = self.placement.export_candidates(
-            source.grid(), end, rec.prompt_len if rec else None, rec.branch_point if rec else None)
+            source.grid(), end, rec.prompt_len if rec else None, rec.branch_point if rec else None
+        )
         for pos, kind in sorted(wanted.items()):
             if self.has_checkpoint_at(node, pos) or not source.kept(pos):
                 continue
@@ -232,8 +244,9 @@ class CacheLifecycle:
             return CheckpointKind.PROMPT_END if self.placement.at_prompt_end else None
         return CheckpointKind.CHUNK if self.placement.at_chunk_end else None
 
-    def checkpoint_running(self, rid: str, node: Node, up_to: int, active_slot: int,
-                           kind: Optional[CheckpointKind] = None) -> None:
+    def checkpoint_running(
+        self, rid: str, node: Node, up_to: int, active_slot: int, kind: Optional[CheckpointKind] = None
+    ) -> None:
         """Fork the running request's state at ``up_to`` (its KV is inserted up to ``node``)."""
         kind = kind or self.running_kind(rid, up_to)
         if kind is None or self.has_checkpoint_at(node, up_to):
@@ -409,8 +422,8 @@ def build_tree(eviction: EvictionPolicy) -> K3RadixTree:
     return K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False)
 
 
-def build_lifecycle(cfg, store: CheckpointStore, eviction: EvictionPolicy,
-                    free_kv: Callable[[list[int]], None], unit: int = 1) -> CacheLifecycle:
+def build_lifecycle(
+    cfg, store: CheckpointStore, eviction: EvictionPolicy, free_kv: Callable[[list[int]], None], unit: int = 1
+) -> CacheLifecycle:
     """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config``."""
     return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv)
-

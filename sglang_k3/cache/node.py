@@ -6,6 +6,7 @@ tokens, with one read-only handle per KDA layer group. It is stored on the node 
 position: ``start < pos <= end``. Checkpoints are deliberately not tied to node ends, so a
 checkpoint may sit inside a node (e.g. inside a large KV page) without forcing a split there.
 """
+
 from __future__ import annotations
 
 import enum
@@ -94,5 +95,7 @@ class Node:
         return sum(c.nbytes for c in self.checkpoints.values())
 
     def __repr__(self) -> str:  # small, for test failure messages
-        return (f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, "
-                f"lock={self.lock_ref})")
+        return (
+            f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, "
+            f"lock={self.lock_ref})"
+        )

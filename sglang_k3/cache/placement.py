@@ -6,6 +6,7 @@ same forward) but are mostly superseded by the next one; the prompt end and the 
 what a next turn matches; radix branch points have already proven that two requests share a
 prefix (Marconi). A per-path budget stops one long path from taking all state memory.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

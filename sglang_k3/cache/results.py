@@ -1,5 +1,6 @@
 """Return types of the tree's public operations. Plain ints and lists, so callers (the SGLang
 wrapper, the trace-replay simulator) convert them to tensors or simulated frees as they need."""
+
 from __future__ import annotations
 
 import enum

@@ -1,5 +1,6 @@
 """Counters the tree keeps for observability (the integration exports them to Prometheus and
 /server_info; the simulator prints them). Pure data, updated by the tree."""
+
 from __future__ import annotations
 
 from collections import deque

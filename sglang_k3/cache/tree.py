@@ -37,6 +37,7 @@ Design
   checkpoint bytes (dropping a checkpoint keeps its KV: the node becomes a pass-through). Order
   is utility = recency + FLOPs saved per byte (:mod:`eviction`), LRU tie-break.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
@@ -267,8 +268,14 @@ class K3RadixTree:
             child = node.children.get(tuple(key[pos : pos + p]))
             if child is None:
                 prefix_len = pos
-                leaf = Node(id=self._new_id(), parent=node, start=pos, key=list(key[pos:limit]),
-                            kv=list(kv[pos:limit]), last_access=now)
+                leaf = Node(
+                    id=self._new_id(),
+                    parent=node,
+                    start=pos,
+                    key=list(key[pos:limit]),
+                    kv=list(kv[pos:limit]),
+                    last_access=now,
+                )
                 node.children[tuple(leaf.key[:p])] = leaf
                 self._evictable_tokens += len(leaf.key)
                 node, pos = leaf, limit
@@ -327,8 +334,10 @@ class K3RadixTree:
         unless ``ready`` (use only when the write is known to have landed)."""
         self._check_attached(node)
         if pos <= 0 or pos % self.hit_unit or pos > node.end:
-            raise ValueError(f"checkpoint position {pos} must be a positive multiple of "
-                             f"{self.hit_unit} within the path (<= {node.end})")
+            raise ValueError(
+                f"checkpoint position {pos} must be a positive multiple of "
+                f"{self.hit_unit} within the path (<= {node.end})"
+            )
         if len(handles) != self.num_groups:
             raise ValueError(f"expected {self.num_groups} group handles, got {len(handles)}")
         holder = node
@@ -339,8 +348,16 @@ class K3RadixTree:
         for h in handles:
             if h is not None and h in self._handle_owner:
                 raise ValueError(f"handle {h} is already held by the tree")
-        ck = Checkpoint(id=self._new_id(), pos=pos, handles=list(handles), nbytes=nbytes, kind=kind,
-                        node=holder, ready=ready, last_access=self._tick())
+        ck = Checkpoint(
+            id=self._new_id(),
+            pos=pos,
+            handles=list(handles),
+            nbytes=nbytes,
+            kind=kind,
+            node=holder,
+            ready=ready,
+            last_access=self._tick(),
+        )
         holder.checkpoints[pos] = ck
         self._ckpts[ck.id] = ck
         for h in ck.held_handles():
@@ -405,8 +422,7 @@ class K3RadixTree:
 
     def is_branch_point(self, ck: Checkpoint) -> bool:
         n = ck.node
-        return bool(ck.kind & CheckpointKind.BRANCH) or (
-            n is not None and ck.pos == n.end and len(n.children) >= 2)
+        return bool(ck.kind & CheckpointKind.BRANCH) or (n is not None and ck.pos == n.end and len(n.children) >= 2)
 
     # ------------------------------------------------------------------ eviction
     def _saved_flops(self, ck: Checkpoint) -> float:
@@ -430,8 +446,11 @@ class K3RadixTree:
 
     def _evict_checkpoints(self, need: int) -> Freed:
         freed = Freed()
-        cands = [Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
-                 for c in self._ckpts.values() if self._ckpt_evictable(c)]
+        cands = [
+            Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
+            for c in self._ckpts.values()
+            if self._ckpt_evictable(c)
+        ]
         for cand in rank(cands, self.policy.alpha):
             if freed.checkpoint_bytes >= need:
                 break
@@ -471,8 +490,15 @@ class K3RadixTree:
             whole = [n for n in leaves if all(self._ckpt_evictable(c) for c in n.checkpoints.values())]
             if not whole:
                 break
-            cands = [Candidate(n, n.last_access, sum(self._saved_flops(c) for c in n.checkpoints.values()),
-                               self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes()) for n in whole]
+            cands = [
+                Candidate(
+                    n,
+                    n.last_access,
+                    sum(self._saved_flops(c) for c in n.checkpoints.values()),
+                    self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes(),
+                )
+                for n in whole
+            ]
             for cand in rank(cands, self.policy.alpha):
                 if len(freed.kv_indices) >= need:
                     break

@@ -4,6 +4,7 @@
 ``launch_server`` parses ours first, removes them from argv and publishes the config to the
 scheduler processes (:mod:`sglang_k3.config` says how); ``current()`` reads it back.
 """
+
 from __future__ import annotations
 
 import argparse

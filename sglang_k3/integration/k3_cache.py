@@ -35,6 +35,7 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
 * **Full match**: the tree caps the restore point at ``len(key) - 1`` and rounds down to the
   nearest checkpoint, so a fully cached prompt still reuses everything up to that checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,17 +81,29 @@ class K3RadixCache(BasePrefixCache):
         self.fwd = ForwardState(ExportStash(), DeferredRestores())
         attach(self.req_to_token_pool, self.fwd)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
-        self.store = make_store(cfg.checkpoint_dtype, self.slots, cfg.checkpoint_slots,
-                                lambda n: self.lifecycle.evict(num_bytes=n), self.fwd)
+        self.store = make_store(
+            cfg.checkpoint_dtype,
+            self.slots,
+            cfg.checkpoint_slots,
+            lambda n: self.lifecycle.evict(num_bytes=n),
+            self.fwd,
+        )
         self.lifecycle = build_lifecycle(cfg, self.store, _eviction_policy(hf_config), self._free_kv)
         self.tree = self.lifecycle.tree
         self.placement = self.lifecycle.placement
         self.root_node = self.tree.root
         # The extend forward keeps, of its chunk-boundary states, the ones we may store.
-        self.fwd.stash.enable(self._export_plan, conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]),
-                              num_layers=int(self.slots.pool.mamba_cache.temporal.shape[0]))
-        logger.info("k3 radix cache: %s checkpoints of %d bytes, placement %s",
-                    self.store.dtype, self.store.slot_bytes, self.placement)
+        self.fwd.stash.enable(
+            self._export_plan,
+            conv_width=int(self.slots.pool.mamba_cache.conv[0].shape[-2]),
+            num_layers=int(self.slots.pool.mamba_cache.temporal.shape[0]),
+        )
+        logger.info(
+            "k3 radix cache: %s checkpoints of %d bytes, placement %s",
+            self.store.dtype,
+            self.store.slot_bytes,
+            self.placement,
+        )
 
     # ---------------------------------------------------------------- identity
     def supports_mamba(self) -> bool:
@@ -108,7 +121,9 @@ class K3RadixCache(BasePrefixCache):
             return miss  # LoRA / cache-salt namespaces are not shared through this tree
         req = params.req if params.cow_mamba else None
         res = self.lifecycle.match(
-            None if req is None else req.rid, list(key.raw_token_ids()), admit=req is not None,
+            None if req is None else req.rid,
+            list(key.raw_token_ids()),
+            admit=req is not None,
             prompt_len=None if req is None else len(req.origin_input_ids),
             is_done=None if req is None else req.finished,
         )

@@ -5,6 +5,7 @@ forward method. ``torch_native`` has no entry, so upstream falls back to the Tri
 picks the MHA path for prefills without a prefix and fails on CPU. The absorbed MLA method works
 over the latent KV cache with ``torch_native``'s SDPA kernels for prefill, extend and decode alike.
 """
+
 from __future__ import annotations
 
 _BACKEND = "torch_native"

@@ -21,6 +21,7 @@ changed. The upstream symbols it is wired to are hooked in ``patches/`` (one mod
   (``build_additional_customized_info``), which the tokenizer manager merges into
   ``meta_info``. Nothing is copied from upstream.
 """
+
 from __future__ import annotations
 
 import logging

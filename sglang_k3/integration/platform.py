@@ -1,4 +1,5 @@
 """The CPU platform class; activated by ``platform_entry.activate`` (see there for when)."""
+
 from __future__ import annotations
 
 from sglang.srt.platforms.cpu import CpuSRTPlatform

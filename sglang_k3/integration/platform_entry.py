@@ -9,6 +9,7 @@ The plugin activates only where it is wanted: when CUDA is absent, or when ``SGL
 asks for it on a CUDA host. It returns ``None`` otherwise, so a CUDA machine keeps upstream's
 CUDA platform and kernels.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ It registers what sglang-k3 adds through upstream's own registries (radix-cache 
 handler for ``torch_native``) and the hooks in ``patches/`` that no registry offers. SGLang calls
 ``HookRegistry.apply_hooks()`` right after the plugins ran.
 """
+
 from __future__ import annotations
 
 import logging

@@ -7,6 +7,7 @@
   models. For a model without KDA/mamba state, or with ``--disable-radix-cache``, it builds what
   ``upstream`` builds: there is no state to be aware of, or nothing to cache.
 """
+
 from __future__ import annotations
 
 import logging

@@ -10,6 +10,7 @@ when the build fails, and one left by a killed process is removed by the next st
 Directories are 0755 and files 0644, so a shared cache is readable by every user (the model is
 random weights: nothing in it is private).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,14 @@ import uuid
 from sglang_k3.model.tiny_spec import BUILDER_VERSION, TinyK3Spec
 
 ENV_HOME = "SGLANG_K3_HOME"
-FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-         "special_tokens_map.json", "generation_config.json")
+FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 MANIFEST = "manifest.json"
 # Siblings of the model directory: a build in progress (named by its builder's pid, so a later
 # start can tell a live build from one whose process was killed), a broken directory moved aside
@@ -54,8 +61,16 @@ def build(out_dir: str, spec: TinyK3Spec = TinyK3Spec()) -> str:
         json.dump(spec.hf_config(), f, indent=2)
     cfg = spec.hf_config()
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"],
-                   "pad_token_id": cfg["pad_token_id"], "do_sample": False}, f, indent=2)
+        json.dump(
+            {
+                "bos_token_id": cfg["bos_token_id"],
+                "eos_token_id": cfg["eos_token_id"],
+                "pad_token_id": cfg["pad_token_id"],
+                "do_sample": False,
+            },
+            f,
+            indent=2,
+        )
     save_file(make_weights(spec), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out_dir, spec)
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
@@ -67,8 +82,12 @@ def build(out_dir: str, spec: TinyK3Spec = TinyK3Spec()) -> str:
 
 def _header(spec: TinyK3Spec) -> dict:
     """What a build of ``spec`` must have been made from; a manifest that differs is stale."""
-    return {"builder_version": BUILDER_VERSION, "fingerprint": spec.fingerprint(), "seed": spec.seed,
-            "spec": dataclasses.asdict(spec)}
+    return {
+        "builder_version": BUILDER_VERSION,
+        "fingerprint": spec.fingerprint(),
+        "seed": spec.seed,
+        "spec": dataclasses.asdict(spec),
+    }
 
 
 def _sha256(path: str) -> str:
@@ -150,7 +169,7 @@ def _remove_leftovers(root: str) -> None:
 def _builder_alive(name: str) -> bool:
     """Whether the process named in a ``.building-<pid>-<token>`` directory still runs on this host
     (a name without a pid, e.g. from an older builder, belongs to nobody)."""
-    pid = name[len(BUILDING_PREFIX):].split("-", 1)[0]
+    pid = name[len(BUILDING_PREFIX) :].split("-", 1)[0]
     if not pid.isdigit():
         return False
     try:

@@ -5,6 +5,7 @@ a sparse MoE with a shared expert, MLA without RoPE (as Kimi Linear). Kimi K3's 
 (attention residuals, latent MoE, output gate) are off: their SGLang code paths are Triton/CUDA
 only (``layers/attn_residual.py``'s score kernel; ``torch.cuda.Stream()`` at build time).
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -4,6 +4,7 @@ No hub access and no training: the vocabulary is the 256 byte symbols of the Byt
 alphabet (ids 0-255, in byte order) followed by ``SPECIAL_TOKENS``. A prompt of N ASCII characters
 is N tokens, which makes chunk and page boundaries easy to aim at in tests.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,9 @@ def build_tokenizer() -> Tokenizer:
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = {}
     # ByteLevel maps each byte to a printable char; recover the byte order from the GPT-2 scheme.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     extra = 0
     for b in range(BYTE_VOCAB):
         if b in printable:

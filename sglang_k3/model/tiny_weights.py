@@ -3,6 +3,7 @@
 Names follow the public Kimi Linear checkpoints (``block_sparse_moe.experts.E.w1``, ``q_conv1d``,
 ``A_log``, ...). Scales keep activations O(1) through all layers so greedy outputs are varied.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,7 @@ def _mla(g, p: str, s: TinyK3Spec, w: dict) -> None:
     w[f"{p}.q_proj.weight"] = _linear(g, s.mla_heads * qk, h)
     w[f"{p}.kv_a_proj_with_mqa.weight"] = _linear(g, s.kv_lora_rank + s.qk_rope_head_dim, h)
     w[f"{p}.kv_a_layernorm.weight"] = 1.0 + 0.1 * torch.randn(s.kv_lora_rank, generator=g)
-    w[f"{p}.kv_b_proj.weight"] = _linear(
-        g, s.mla_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank
-    )
+    w[f"{p}.kv_b_proj.weight"] = _linear(g, s.mla_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)
     w[f"{p}.o_proj.weight"] = _linear(g, h, s.mla_heads * s.v_head_dim)
 
 

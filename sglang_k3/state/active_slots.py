@@ -5,6 +5,7 @@ for one sequence). The request's active slot is private and writable; a checkpoi
 the k3 tree is read-only. Both come from the same ``mamba_allocator``, so SGLang's idle leak
 check (available + evictable + protected == size) stays exact.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional

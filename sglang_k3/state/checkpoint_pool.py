@@ -18,6 +18,7 @@ A checkpoint holds the state of every KDA layer of one group at one token bounda
 * On CUDA tensors the Triton kernels run (one launch per call for all layers); elsewhere the
   pure-torch references.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,13 @@ import torch
 
 from sglang_k3.kernels import ckpt as K
 
-_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "float32": torch.float32}
+_DTYPES = {
+    "int8": torch.int8,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def parse_checkpoint_dtype(d: Union[str, torch.dtype]) -> torch.dtype:
@@ -82,8 +88,11 @@ class CheckpointPool:
         self.conv_dtype = conv_dtype
         n = self.num_slots
         self.q = torch.zeros(n, self.L, self.H, self.V, self.K, dtype=self.dtype, device=self.device)
-        self.scale = (torch.zeros(n, self.L, self.H, self.K, dtype=torch.float32, device=self.device)
-                      if self.dtype == torch.int8 else None)
+        self.scale = (
+            torch.zeros(n, self.L, self.H, self.K, dtype=torch.float32, device=self.device)
+            if self.dtype == torch.int8
+            else None
+        )
         if self.conv_shape is not None:
             numel = 1
             for s in self.conv_shape:
@@ -97,22 +106,37 @@ class CheckpointPool:
         self._free = list(range(n - 1, -1, -1))
         # persistent per-pair non-finite flags for the CUDA kernels (they only set flags): saves a
         # memset launch per store; re-zeroed only after a refusal
-        self._flags = (torch.zeros(n, dtype=torch.int32, device=self.device)
-                       if self.device.type == "cuda" else None)
+        self._flags = torch.zeros(n, dtype=torch.int32, device=self.device) if self.device.type == "cuda" else None
         self.active_temporal: Optional[torch.Tensor] = None
         self.active_conv: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
-    def from_active(cls, temporal: torch.Tensor, conv: Optional[torch.Tensor], *, num_slots: int,
-                    dtype="int8", device=None, use_triton=None) -> "CheckpointPool":
+    def from_active(
+        cls,
+        temporal: torch.Tensor,
+        conv: Optional[torch.Tensor],
+        *,
+        num_slots: int,
+        dtype="int8",
+        device=None,
+        use_triton=None,
+    ) -> "CheckpointPool":
         """Size a pool after upstream's active tensors (``temporal [L, S, H, V, K]``,
         ``conv [L, S, *conv_shape]``) and bind them as the active side."""
         L, _, H, V, Kd = temporal.shape
-        pool = cls(num_slots=num_slots, num_layers=L, num_heads=H, head_v_dim=V, head_k_dim=Kd,
-                   conv_shape=None if conv is None else tuple(conv.shape[2:]),
-                   conv_dtype=conv.dtype if conv is not None else torch.bfloat16,
-                   dtype=dtype, device=device or temporal.device, use_triton=use_triton)
+        pool = cls(
+            num_slots=num_slots,
+            num_layers=L,
+            num_heads=H,
+            head_v_dim=V,
+            head_k_dim=Kd,
+            conv_shape=None if conv is None else tuple(conv.shape[2:]),
+            conv_dtype=conv.dtype if conv is not None else torch.bfloat16,
+            dtype=dtype,
+            device=device or temporal.device,
+            use_triton=use_triton,
+        )
         pool.bind_active(temporal, conv)
         return pool
 
@@ -123,13 +147,16 @@ class CheckpointPool:
         convs = list(state.conv)
         if len(convs) > 1:
             raise ValueError("KDA has one conv state tensor per layer; got %d" % len(convs))
-        return cls.from_active(state.temporal, convs[0] if convs else None, num_slots=num_slots,
-                               dtype=dtype, use_triton=use_triton)
+        return cls.from_active(
+            state.temporal, convs[0] if convs else None, num_slots=num_slots, dtype=dtype, use_triton=use_triton
+        )
 
     def bind_active(self, temporal: torch.Tensor, conv: Optional[torch.Tensor] = None) -> None:
         if tuple(temporal.shape[0:1] + temporal.shape[2:]) != (self.L, self.H, self.V, self.K):
-            raise ValueError(f"active temporal {tuple(temporal.shape)} does not match "
-                             f"[L={self.L}, S, H={self.H}, V={self.V}, K={self.K}]")
+            raise ValueError(
+                f"active temporal {tuple(temporal.shape)} does not match "
+                f"[L={self.L}, S, H={self.H}, V={self.V}, K={self.K}]"
+            )
         if (conv is None) != (self.conv is None):
             raise ValueError("conv state presence differs between the active side and the pool")
         if conv is not None and tuple(conv.shape[2:]) != self.conv_shape:
@@ -147,8 +174,9 @@ class CheckpointPool:
         return b
 
     @staticmethod
-    def estimate_bytes_per_slot(*, num_layers, num_heads, head_v_dim, head_k_dim, conv_numel=0,
-                                conv_dtype=torch.bfloat16, dtype="int8") -> int:
+    def estimate_bytes_per_slot(
+        *, num_layers, num_heads, head_v_dim, head_k_dim, conv_numel=0, conv_dtype=torch.bfloat16, dtype="int8"
+    ) -> int:
         dt = parse_checkpoint_dtype(dtype)
         n = num_layers * num_heads * head_v_dim * head_k_dim
         b = n * torch.empty((), dtype=dt).element_size()
@@ -227,16 +255,25 @@ class CheckpointPool:
         return StoreResult(accepted, rejected)
 
     def _kw(self, t: torch.Tensor) -> dict:
-        return {"bad": self._flags} if (self._flags is not None and K.triton_available(t)
-                                        and self.use_triton is not False) else {}
+        return (
+            {"bad": self._flags}
+            if (self._flags is not None and K.triton_available(t) and self.use_triton is not False)
+            else {}
+        )
 
     def _ref_release(self, slots):
         for s in slots:
             self._ref[s] = 1
         self.decref(slots)
 
-    def store(self, active_slots: Sequence[int], ckpt_slots: Sequence[int], *,
-              temporal: Optional[torch.Tensor] = None, conv: Optional[torch.Tensor] = None) -> StoreResult:
+    def store(
+        self,
+        active_slots: Sequence[int],
+        ckpt_slots: Sequence[int],
+        *,
+        temporal: Optional[torch.Tensor] = None,
+        conv: Optional[torch.Tensor] = None,
+    ) -> StoreResult:
         """Copy (int8: quantize) every layer of ``active_slots`` into ``ckpt_slots`` (pairwise) and
         seal them. Refused pairs (non-finite) release their checkpoint slot."""
         active_slots, ckpt_slots = list(active_slots), list(ckpt_slots)
@@ -247,15 +284,23 @@ class CheckpointPool:
         if not active_slots:
             return StoreResult([], [])
         if self.dtype == torch.int8:
-            bad = K.quant_scatter(t, c, active_slots, self.q, self.scale, self.conv, ckpt_slots,
-                                  use_triton=self.use_triton, **self._kw(t))
+            bad = K.quant_scatter(
+                t, c, active_slots, self.q, self.scale, self.conv, ckpt_slots, use_triton=self.use_triton, **self._kw(t)
+            )
         else:
-            bad = K.copy_to_ckpt(t, c, active_slots, self.q, self.conv, ckpt_slots, use_triton=self.use_triton,
-                                 **self._kw(t))
+            bad = K.copy_to_ckpt(
+                t, c, active_slots, self.q, self.conv, ckpt_slots, use_triton=self.use_triton, **self._kw(t)
+            )
         return self._finish(ckpt_slots, bad, range(self.L))
 
-    def restore(self, ckpt_slots: Sequence[int], active_slots: Sequence[int], *,
-                temporal: Optional[torch.Tensor] = None, conv: Optional[torch.Tensor] = None) -> None:
+    def restore(
+        self,
+        ckpt_slots: Sequence[int],
+        active_slots: Sequence[int],
+        *,
+        temporal: Optional[torch.Tensor] = None,
+        conv: Optional[torch.Tensor] = None,
+    ) -> None:
         """Copy-on-write: write sealed checkpoints into private active slots (full precision)."""
         ckpt_slots, active_slots = list(ckpt_slots), list(active_slots)
         if len(active_slots) != len(ckpt_slots):
@@ -270,15 +315,21 @@ class CheckpointPool:
         if not ckpt_slots:
             return
         if self.dtype == torch.int8:
-            K.gather_dequant(self.q, self.scale, self.conv, ckpt_slots, t, c, active_slots,
-                             use_triton=self.use_triton)
+            K.gather_dequant(self.q, self.scale, self.conv, ckpt_slots, t, c, active_slots, use_triton=self.use_triton)
         else:
             K.copy_from_ckpt(self.q, self.conv, ckpt_slots, t, c, active_slots, use_triton=self.use_triton)
 
-    def store_from_intermediate(self, layer: Union[int, Sequence[int]], h: torch.Tensor,
-                                chunk_idx: Sequence[int], ckpt_slots: Sequence[int], *,
-                                state_v_first: bool = False, conv_src: Optional[torch.Tensor] = None,
-                                token_ends: Optional[Sequence[int]] = None) -> StoreResult:
+    def store_from_intermediate(
+        self,
+        layer: Union[int, Sequence[int]],
+        h: torch.Tensor,
+        chunk_idx: Sequence[int],
+        ckpt_slots: Sequence[int],
+        *,
+        state_v_first: bool = False,
+        conv_src: Optional[torch.Tensor] = None,
+        token_ends: Optional[Sequence[int]] = None,
+    ) -> StoreResult:
         """Store layer ``layer`` of ``ckpt_slots`` straight from chunk_kda's intermediate states
         ``h`` (bf16, ``[B, NT, HV, K, V]``, or ``[B, NT, HV, V, K]`` with ``state_v_first``);
         ``chunk_idx`` indexes ``h``'s flattened ``B*NT`` axis (see
@@ -303,7 +354,18 @@ class CheckpointPool:
             raise ValueError("conv_src is required exactly when the pool holds conv states")
         if not ckpt_slots:
             return StoreResult([], [])
-        bad = K.store_intermediate(h, list(chunk_idx), layer, self.q, self.scale, ckpt_slots,
-                                   state_v_first=state_v_first, conv_src=conv_src, token_ends=token_ends,
-                                   dst_conv=self.conv, use_triton=self.use_triton, **self._kw(h))
+        bad = K.store_intermediate(
+            h,
+            list(chunk_idx),
+            layer,
+            self.q,
+            self.scale,
+            ckpt_slots,
+            state_v_first=state_v_first,
+            conv_src=conv_src,
+            token_ends=token_ends,
+            dst_conv=self.conv,
+            use_triton=self.use_triton,
+            **self._kw(h),
+        )
         return self._finish(ckpt_slots, bad, layers)

@@ -15,6 +15,7 @@ the lifecycle's :class:`~sglang_k3.cache.lifecycle.CheckpointStore` interface.
 Neither touches SGLang's request objects: ``restore`` returns what SGLang's own copy mechanism
 should read, and the cache writes the request.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -89,8 +90,9 @@ class QuantizedStore:
     shares_active_slots = False
     batches_stores = True
 
-    def __init__(self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], object],
-                 fwd: ForwardState):
+    def __init__(
+        self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], object], fwd: ForwardState
+    ):
         self.slots = slots
         self.dtype = dtype
         self.fwd = fwd
@@ -167,8 +169,13 @@ class QuantizedStore:
         if layers != list(range(self.pool.L)):
             raise RuntimeError(f"KDA layers ran in pool order {layers}, expected 0..{self.pool.L - 1}")
         res = self.pool.store_from_intermediate(
-            range(self.pool.L), stack.h, rows, slots, state_v_first=True,
-            conv_src=stack.conv.reshape(self.pool.L, n * width, d), token_ends=[(r + 1) * width for r in rows],
+            range(self.pool.L),
+            stack.h,
+            rows,
+            slots,
+            state_v_first=True,
+            conv_src=stack.conv.reshape(self.pool.L, n * width, d),
+            token_ends=[(r + 1) * width for r in rows],
         )
         self._ahead = {r: s for r, s, ok in zip(rows, slots, res.accepted) if ok}
         self.ahead_stored += len(self._ahead)
@@ -199,7 +206,8 @@ def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callabl
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     if dtype == "fp32":
         if slots.pool.mamba_cache.temporal.dtype != torch.float32:
-            raise ValueError("--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, "
-                             "whose recurrent state is not fp32 here")
+            raise ValueError(
+                "--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, whose recurrent state is not fp32 here"
+            )
         return NativeSlotStore(slots, fwd)
     return QuantizedStore(slots, dtype, num_slots, evict_bytes, fwd)

@@ -16,6 +16,7 @@ that is matched again, released or aborted before its forward drops its entry (:
 A pending entry is keyed by request id, and an active slot is owned by one live request, so a
 flush never writes a slot another request owns.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -56,4 +57,3 @@ class DeferredRestores:
         self.flushes += 1
         self.restored += len(ckpt)
         return len(ckpt)
-

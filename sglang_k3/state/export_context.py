@@ -1,4 +1,5 @@
 """Which KDA layer's extend is running, for the kernel-level export hook (set by the backend hook)."""
+
 from __future__ import annotations
 
 import contextvars

@@ -38,6 +38,7 @@ upstream only allows with the overlap schedule off, so no second forward starts 
 checks the sequence's extent, and a position that was not planned is "not available" (``None``):
 the cache then does not store it. A state is never stored under a boundary it was not computed for.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -125,8 +126,14 @@ class ExportStash:
         one forward). The backend hook calls :meth:`begin` only then."""
         return batch_key != self._batch_key or layer_id in self.layers
 
-    def begin(self, batch_key: int, slots: list[int], prefix_lens: list[int],
-              extend_lens: list[int], rids: Optional[list[str]] = None) -> None:
+    def begin(
+        self,
+        batch_key: int,
+        slots: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        rids: Optional[list[str]] = None,
+    ) -> None:
         """Start a forward: forget the previous one and plan the rows to keep for this one."""
         self.clear()
         self._batch_key = batch_key
@@ -179,13 +186,13 @@ class ExportStash:
         src = mixed_qkv.reshape(-1, mixed_qkv.shape[-1])
         i = len(self.layers)  # this layer's place in the stack: the order layers run in
         if self.num_layers is None or i >= self.num_layers:
-            raise RuntimeError(f"KDA layer {layer_id} is layer {i + 1} of a forward; the stash was "
-                               f"enabled for {self.num_layers}")
+            raise RuntimeError(
+                f"KDA layer {layer_id} is layer {i + 1} of a forward; the stash was enabled for {self.num_layers}"
+            )
         if self._stack is None:
             self._stack = LayerRows(
                 torch.empty((self.num_layers, n) + tuple(hflat.shape[1:]), dtype=h.dtype, device=h.device),
-                torch.empty((self.num_layers, n, self.conv_width, src.shape[-1]), dtype=src.dtype,
-                            device=src.device),
+                torch.empty((self.num_layers, n, self.conv_width, src.shape[-1]), dtype=src.dtype, device=src.device),
             )
             self._held += sum(t.numel() * t.element_size() for t in self._stack)
         h_rows, conv_rows = self._stack.h[i], self._stack.conv[i]

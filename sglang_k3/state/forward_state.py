@@ -8,6 +8,7 @@ the patches in ``patches/kda_backend_forward_extend.py`` and ``patches/kda_trito
 read it with :func:`attached`. A pool with nothing attached (upstream's cache, a disabled cache)
 leaves the forward untouched.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
