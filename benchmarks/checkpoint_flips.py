@@ -491,13 +491,9 @@ def _k3_stats(url: str):
 
 
 def _flush(url: str) -> None:
-    import requests
+    from benchmarks.live.server import flush_cache
 
-    for _ in range(30):
-        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(1.0)
-    raise RuntimeError(f"/flush_cache kept failing on {url}")
+    flush_cache(url)
 
 
 def _fmt_margin(m) -> str:

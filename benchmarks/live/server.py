@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flush_cache(url: str, attempts: int = 30, name: str = "") -> None:
+    """``POST /flush_cache``; SGLang refuses while requests are in flight, so retry briefly."""
+    last = ""
+    for _ in range(attempts):
+        r = requests.post(url + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        last = f"{r.status_code} {r.text[:200]}"
+        time.sleep(1.0)
+    raise RuntimeError(f"{name or url}: /flush_cache kept failing: {last}")
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message holds its log tail."""
 
@@ -139,12 +151,4 @@ class Server:
         return r.json()
 
     def flush_cache(self, attempts: int = 30) -> None:
-        """``POST /flush_cache``; SGLang refuses while requests are in flight, so retry briefly."""
-        last = ""
-        for _ in range(attempts):
-            r = requests.post(self.url + "/flush_cache", timeout=60)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]}"
-            time.sleep(1.0)
-        raise RuntimeError(f"server {self.name}: /flush_cache kept failing: {last}")
+        flush_cache(self.url, attempts, name=f"server {self.name}")

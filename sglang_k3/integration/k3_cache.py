@@ -255,7 +255,7 @@ class K3RadixCache(BasePrefixCache):
     # ---------------------------------------------------------------- release
     def _release_request_slot(self, req) -> None:
         if req.kv.holds_mamba:
-            self.slots.free([int(req.kv.mamba_pool_idx)])
+            self.store.release_active(int(req.kv.mamba_pool_idx))
             req.kv.mamba_pool_idx = None
 
     def on_release(self, req, *, checkpointed: bool) -> None:
