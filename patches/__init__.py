@@ -33,6 +33,7 @@ PATCH_MODULES: list[str] = [
     "scheduler_process_batch_result_k3",
     "match_kv_cache_k3",
     "scheduler_output_streamer_k3",
+    "kv_cache_configurator_init_pools",
 ]
 
 _registered = False

@@ -31,17 +31,31 @@ class K3Config:
     checkpoint_dtype: str = "int8"
     checkpoint_slots: int = 64  # int8/bf16: the checkpoint pool's size, in checkpoints
     decode_checkpoint_interval: int = 4096  # tokens; 0: off
+    unified_memory: bool = True  # one budget for MLA KV, active states and checkpoints
+    min_kv_tokens: int = 0  # unified: checkpoints never take memory KV needs for this many tokens
+    min_checkpoints: int = 0  # unified: KV and state pressure never evict checkpoints below this
+    max_checkpoints: int = 0  # unified: at most this many checkpoints (0: no cap)
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
             raise ValueError(
                 f"checkpoint dtype {self.checkpoint_dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}"
             )
-        for name in ("checkpoint_budget", "decode_checkpoint_interval"):
+        for name in (
+            "checkpoint_budget",
+            "decode_checkpoint_interval",
+            "min_kv_tokens",
+            "min_checkpoints",
+            "max_checkpoints",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if self.checkpoint_slots < 1:
             raise ValueError(f"checkpoint_slots must be >= 1 (got {self.checkpoint_slots})")
+        if self.max_checkpoints and self.min_checkpoints > self.max_checkpoints:
+            raise ValueError(
+                f"min_checkpoints ({self.min_checkpoints}) is above max_checkpoints ({self.max_checkpoints})"
+            )
 
     def to_env(self) -> None:
         os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))

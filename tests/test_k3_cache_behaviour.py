@@ -124,7 +124,7 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     _flush(s)
     rng = random.Random(14)
     shared = random_tokens(rng, 200)
-    s.generate(shared, 2)  # the prefix's checkpoint (at 192)
+    s.generate(shared, 2)  # the prefix's checkpoints (exported at 192, prompt end at 200)
     prompts = [shared + random_tokens(rng, 40) for _ in range(12)]
     results: list = [None] * len(prompts)
 
@@ -150,7 +150,9 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     state = _k3_state(s)
     assert state["tracked_requests"] == 0
     again = s.generate(prompts[0], 3)
-    assert again["meta_info"]["cached_tokens"] == 192
+    # the prompt-end checkpoint, or the exported one below it if the aborted requests' own
+    # checkpoints pushed it out
+    assert again["meta_info"]["cached_tokens"] in (192, 200)
     assert _k3_state(s)["tracked_requests"] == 0
 
 

@@ -512,6 +512,66 @@ class K3RadixTree:
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
 
+    def evict_ranked(self, need_bytes: int, keep_checkpoints: int = 0) -> Freed:
+        """Free about ``need_bytes`` of KV and checkpoints together, least valuable first, for a
+        budget both draw from. KV past a leaf's last checkpoint is worth nothing (no restore can
+        use it) and goes first; then checkpoints and whole leaves (their KV with the checkpoints on
+        them) compete on one scale: prefill FLOPs a hit saves per byte held, with recency (the
+        ``alpha`` blend of :func:`~sglang_k3.cache.eviction.rank`). So the KV of a cold path can
+        lose to a hot checkpoint and the reverse. ``keep_checkpoints``: never take the checkpoint
+        count below this (a floor)."""
+        freed = Freed()
+        got = 0
+        leaves = [n for n in self._leaves() if n.lock_ref == 0]
+        for leaf in sorted((n for n in leaves if self._keep_end(n) < n.end), key=lambda n: n.last_access):
+            if got >= need_bytes:
+                break
+            f = self._trim_leaf(leaf, self._keep_end(leaf))
+            got += self.policy.kv_bytes(len(f.kv_indices))
+            freed.extend(f)
+        if got >= need_bytes:
+            self.stats.evicted_kv_tokens += len(freed.kv_indices)
+            return freed
+        ck_ok = self.checkpoint_count() > keep_checkpoints
+        cands = []
+        if ck_ok:
+            cands = [
+                Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
+                for c in self._ckpts.values()
+                if self._ckpt_evictable(c)
+            ]
+        for n in self._leaves():
+            if n.lock_ref or (n.checkpoints and not ck_ok):
+                continue
+            if not all(self._ckpt_evictable(c) for c in n.checkpoints.values()):
+                continue
+            flops = sum(self._saved_flops(c) for c in n.checkpoints.values())
+            cands.append(Candidate(n, n.last_access, flops, self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes()))
+        for cand in rank(cands, self.policy.alpha):
+            if got >= need_bytes:
+                break
+            obj = cand.obj
+            if isinstance(obj, Checkpoint):
+                if obj.node is None or self.checkpoint_count() <= keep_checkpoints:
+                    continue  # went with its leaf, or the floor is reached
+                f = self.drop_checkpoint(obj, DropReason.EVICTED)
+            else:
+                leaf: Node = obj  # type: ignore[assignment]
+                if leaf.parent is None or not leaf.is_leaf or leaf.lock_ref:
+                    continue
+                if leaf.checkpoints and self.checkpoint_count() - len(leaf.checkpoints) < keep_checkpoints:
+                    continue
+                f = Freed()
+                for ck in list(leaf.checkpoints.values()):
+                    f.extend(self.drop_checkpoint(ck, DropReason.EVICTED))
+                f.extend(self._trim_leaf(leaf, leaf.start))
+            self.stats.evicted_checkpoints += f.checkpoints
+            self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+            got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
+            freed.extend(f)
+        self.stats.evicted_kv_tokens += len(freed.kv_indices)
+        return freed
+
     def _trim_leaf(self, leaf: Node, keep_end: int) -> Freed:
         """Free the leaf's KV past ``keep_end`` (a page multiple); removes the leaf at its start."""
         assert leaf.lock_ref == 0 and leaf.is_leaf and keep_end % self.page_size == 0

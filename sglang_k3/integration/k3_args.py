@@ -84,8 +84,40 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         type=int,
         default=64,
         metavar="N",
-        help="k3 cache with int8/bf16 checkpoints: size of the checkpoint pool in checkpoints "
-        "(default 64). fp32 checkpoints share --max-mamba-cache-size instead.",
+        help="Only with --k3-no-unified-memory: size of the int8/bf16 checkpoint pool in "
+        "checkpoints (default 64; fp32 checkpoints share --max-mamba-cache-size instead). Under "
+        "unified memory the number of checkpoints is decided by their value, not by a count.",
+    )
+    g.add_argument(
+        "--k3-no-unified-memory",
+        action="store_true",
+        help="k3 cache: keep SGLang's fixed pools (a KV pool, a state pool sized by "
+        "--max-mamba-cache-size / --mamba-full-memory-ratio) and a checkpoint pool of "
+        "--k3-checkpoint-slots. By default MLA KV, active KDA states and checkpoints share one "
+        "byte budget, the bytes SGLang sizes for its KV and state pools (--mem-fraction-static, "
+        "--max-total-tokens, --max-mamba-cache-size), and the least valuable KV or checkpoint "
+        "gives way when either runs short.",
+    )
+    g.add_argument(
+        "--k3-min-kv-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Unified memory: checkpoints never take memory MLA KV needs to hold N tokens (a floor; default 0).",
+    )
+    g.add_argument(
+        "--k3-min-checkpoints",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Unified memory: KV and state-slot pressure never evicts checkpoints below N (a floor; default 0).",
+    )
+    g.add_argument(
+        "--k3-max-checkpoints",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Unified memory: at most N checkpoints live at once (a cap; default 0: none).",
     )
     return g
 
@@ -97,6 +129,11 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         raise SystemExit("--k3-decode-checkpoint-interval must be >= 0")
     if ns.k3_checkpoint_slots < 1:
         raise SystemExit("--k3-checkpoint-slots must be >= 1")
+    for flag in ("min_kv_tokens", "min_checkpoints", "max_checkpoints"):
+        if getattr(ns, "k3_" + flag) < 0:
+            raise SystemExit(f"--k3-{flag.replace('_', '-')} must be >= 0")
+    if ns.k3_max_checkpoints and ns.k3_min_checkpoints > ns.k3_max_checkpoints:
+        raise SystemExit("--k3-min-checkpoints is above --k3-max-checkpoints")
     return K3Config(
         embedded_model_dir=ns.k3_embedded_model_dir,
         cpu_defaults=not ns.k3_no_cpu_defaults,
@@ -108,6 +145,10 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_dtype=ns.k3_checkpoint_dtype,
         checkpoint_slots=ns.k3_checkpoint_slots,
         decode_checkpoint_interval=ns.k3_decode_checkpoint_interval,
+        unified_memory=not ns.k3_no_unified_memory,
+        min_kv_tokens=ns.k3_min_kv_tokens,
+        min_checkpoints=ns.k3_min_checkpoints,
+        max_checkpoints=ns.k3_max_checkpoints,
     )
 
 

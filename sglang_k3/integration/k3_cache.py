@@ -57,8 +57,9 @@ from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.lifecycle import build_lifecycle
 from sglang_k3.config import K3Config
+from sglang_k3.integration.unified_memory import checkpoint_buffers, unified_of
 from sglang_k3.state.active_slots import SlotPool
-from sglang_k3.state.checkpoint_store import make_store
+from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedPlacement, make_store
 from sglang_k3.state.deferred_restore import DeferredRestores
 from sglang_k3.state.export_stash import ExportStash, ExportView
 from sglang_k3.state.forward_state import ForwardState, attach
@@ -81,12 +82,21 @@ class K3RadixCache(BasePrefixCache):
         self.fwd = ForwardState(ExportStash(), DeferredRestores())
         attach(self.req_to_token_pool, self.fwd)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
+        # Unified memory (the default): KV, active states and checkpoints share one budget that
+        # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
+        self.unified = unified_of(self.req_to_token_pool)
+        placement = None
+        if self.unified is not None:
+            self.ledger = self.unified.ledger
+            placement = UnifiedPlacement(checkpoint_buffers(self.unified), LedgerSlots(self.ledger))
+            self.req_to_token_pool.mamba_allocator.evict_blocks = self._evict_for_active
         self.store = make_store(
             cfg.checkpoint_dtype,
             self.slots,
             cfg.checkpoint_slots,
-            lambda n: self.lifecycle.evict(num_bytes=n),
+            self._evict_for_checkpoint,
             self.fwd,
+            placement,
         )
         self.lifecycle = build_lifecycle(cfg, self.store, _eviction_policy(hf_config), self._free_kv)
         self.tree = self.lifecycle.tree
@@ -279,7 +289,44 @@ class K3RadixCache(BasePrefixCache):
             return 0
         return len(self.lifecycle.evict(num_bytes=n * self.store.slot_bytes).handles)
 
+    # -- unified memory: every kind's shortage is met by evicting the least valuable KV and
+    # checkpoints together (CacheLifecycle.evict_until), until the ledger has what was asked
+    def _evict_for_checkpoint(self, nbytes: int) -> None:
+        if self.unified is None or self.ledger.ckpt_at_cap():
+            self.lifecycle.evict(num_bytes=nbytes)  # a pool of their own, or at --k3-max-checkpoints
+            return
+        self.lifecycle.evict_until(self.ledger.ckpt_has_room, self.ledger.geom.block_bytes)
+
+    def _evict_for_active(self, want_free: int) -> None:
+        """Until ``want_free`` blocks are free (state slots for requests about to run)."""
+        led = self.ledger
+        short = want_free - led.free_blocks()
+        if short > 0:
+            self.lifecycle.evict_until(
+                lambda: led.free_blocks() >= want_free,
+                short * led.geom.block_bytes,
+                keep_checkpoints=self.cfg.min_checkpoints,
+            )
+
+    def _evict_unified(self, params: EvictParams) -> EvictResult:
+        led, result = self.ledger, EvictResult()
+        if params.num_tokens > 0:
+            target = led.kv_available() + params.num_tokens
+            freed = self.lifecycle.evict_until(
+                lambda: led.kv_available() >= target,
+                params.num_tokens * led.geom.kv_token_bytes,
+                keep_checkpoints=self.cfg.min_checkpoints,
+            )
+            result.num_tokens_evicted = len(freed.kv_indices)
+        if params.mamba_num > 0:  # short of state slots: only free blocks within the reserve help
+            before = led.free_blocks()
+            self._evict_for_active(min(before + params.mamba_num, led.reserve_left()))
+            result.mamba_num_evicted = max(0, led.free_blocks() - before)
+        return result
+
     def evict(self, params: EvictParams) -> EvictResult:
+        if self.unified is not None:
+            return self._evict_unified(params)
         result = EvictResult()
         if params.num_tokens > 0:
             freed = self.lifecycle.evict(num_tokens=params.num_tokens)
@@ -338,10 +385,49 @@ class K3RadixCache(BasePrefixCache):
             deferred_restore_flushes=restores.flushes,
             deferred_restores=restores.restored,
         )
+        d.update(self.memory_split())
         return d
+
+    def memory_split(self) -> dict:
+        """Bytes per kind in the unified budget (zeros without it), and how the split moved."""
+        if self.unified is None:
+            return dict.fromkeys(MEMORY_FIELDS, 0)
+        led = self.ledger
+        split = led.bytes_by_kind()
+        c = led.counters
+        return {
+            "memory_budget_bytes": led.geom.budget_bytes,
+            "memory_kv_bytes": split["kv_bytes"],
+            "memory_kv_used_bytes": split["kv_used_bytes"],
+            "memory_active_bytes": split["active_bytes"],
+            "memory_checkpoint_bytes": split["checkpoint_bytes"],
+            "memory_free_bytes": split["free_bytes"],
+            "memory_largest_free_run_bytes": led.largest_free_run(),
+            "memory_blocks_to_kv": c.blocks_to_kv,
+            "memory_blocks_to_active": c.blocks_to_active,
+            "memory_blocks_to_checkpoints": c.blocks_to_ckpt,
+            "memory_peak_kv_bytes": c.peak_kv_blocks * led.geom.block_bytes,
+            "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
+        }
 
     def pretty_print(self) -> None:
         print(f"k3 radix cache: {self.stats_dict()}")
+
+
+MEMORY_FIELDS = (
+    "memory_budget_bytes",
+    "memory_kv_bytes",
+    "memory_kv_used_bytes",
+    "memory_active_bytes",
+    "memory_checkpoint_bytes",
+    "memory_free_bytes",
+    "memory_largest_free_run_bytes",
+    "memory_blocks_to_kv",
+    "memory_blocks_to_active",
+    "memory_blocks_to_checkpoints",
+    "memory_peak_kv_bytes",
+    "memory_peak_checkpoint_bytes",
+)
 
 
 def _eviction_policy(hf_config: Optional[dict]) -> EvictionPolicy:

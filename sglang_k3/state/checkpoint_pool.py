@@ -22,7 +22,7 @@ A checkpoint holds the state of every KDA layer of one group at one token bounda
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -62,6 +62,16 @@ class StoreResult:
         return all(self.accepted)
 
 
+class SlotSource(Protocol):
+    """Who decides which checkpoint handles are free, when not the pool itself."""
+
+    def alloc(self) -> Optional[int]: ...
+
+    def free(self, handle: int) -> None: ...
+
+    def available(self) -> int: ...
+
+
 class CheckpointPool:
     """Pool of ``num_slots`` checkpoint slots (ids 0..num_slots-1)."""
 
@@ -78,7 +88,12 @@ class CheckpointPool:
         dtype: Union[str, torch.dtype] = "int8",
         device: Union[str, torch.device] = "cpu",
         use_triton: Optional[bool] = None,
+        buffers: Optional[tuple] = None,
+        slots: Optional["SlotSource"] = None,
     ):
+        """``buffers`` (``q``, ``scale``, ``conv`` views, e.g. into the unified buffer) replace the
+        pool's own tensors; ``slots`` then decides which handles are free (the unified budget's
+        ledger) instead of the pool's own free list."""
         self.dtype = parse_checkpoint_dtype(dtype)
         self.num_slots = int(num_slots)
         self.L, self.H, self.V, self.K = num_layers, num_heads, head_v_dim, head_k_dim
@@ -87,23 +102,30 @@ class CheckpointPool:
         self.conv_shape = tuple(conv_shape) if conv_shape is not None else None
         self.conv_dtype = conv_dtype
         n = self.num_slots
-        self.q = torch.zeros(n, self.L, self.H, self.V, self.K, dtype=self.dtype, device=self.device)
-        self.scale = (
-            torch.zeros(n, self.L, self.H, self.K, dtype=torch.float32, device=self.device)
-            if self.dtype == torch.int8
-            else None
-        )
-        if self.conv_shape is not None:
-            numel = 1
-            for s in self.conv_shape:
-                numel *= int(s)
-            self.conv = torch.zeros(n, self.L, numel, dtype=conv_dtype, device=self.device)
+        self._slots = slots
+        if buffers is not None:
+            self.q, self.scale, self.conv = buffers
+            if self.q.shape != (n, self.L, self.H, self.V, self.K) or self.q.dtype != self.dtype:
+                raise ValueError(f"checkpoint buffer {tuple(self.q.shape)} {self.q.dtype} does not match the pool")
+            if (self.scale is None) != (self.dtype != torch.int8) or (self.conv is None) != (self.conv_shape is None):
+                raise ValueError("checkpoint buffers do not match the pool's format")
         else:
+            self.q = torch.zeros(n, self.L, self.H, self.V, self.K, dtype=self.dtype, device=self.device)
+            self.scale = (
+                torch.zeros(n, self.L, self.H, self.K, dtype=torch.float32, device=self.device)
+                if self.dtype == torch.int8
+                else None
+            )
             self.conv = None
+            if self.conv_shape is not None:
+                numel = 1
+                for s in self.conv_shape:
+                    numel *= int(s)
+                self.conv = torch.zeros(n, self.L, numel, dtype=conv_dtype, device=self.device)
         self._ref = [0] * n
         self._sealed = [False] * n
         self._layers_written: List[set] = [set() for _ in range(n)]
-        self._free = list(range(n - 1, -1, -1))
+        self._free = [] if slots is not None else list(range(n - 1, -1, -1))
         # persistent per-pair non-finite flags for the CUDA kernels (they only set flags): saves a
         # memset launch per store; re-zeroed only after a refusal
         self._flags = torch.zeros(n, dtype=torch.int32, device=self.device) if self.device.type == "cuda" else None
@@ -121,6 +143,8 @@ class CheckpointPool:
         dtype="int8",
         device=None,
         use_triton=None,
+        buffers=None,
+        slots: Optional[SlotSource] = None,
     ) -> "CheckpointPool":
         """Size a pool after upstream's active tensors (``temporal [L, S, H, V, K]``,
         ``conv [L, S, *conv_shape]``) and bind them as the active side."""
@@ -136,19 +160,27 @@ class CheckpointPool:
             dtype=dtype,
             device=device or temporal.device,
             use_triton=use_triton,
+            buffers=buffers,
+            slots=slots,
         )
         pool.bind_active(temporal, conv)
         return pool
 
     @classmethod
-    def from_mamba_pool(cls, mamba_pool, *, num_slots: int, dtype="int8", use_triton=None):
+    def from_mamba_pool(cls, mamba_pool, *, num_slots: int, dtype="int8", use_triton=None, buffers=None, slots=None):
         """From an upstream ``MambaPool`` (or its ``State``): binds ``temporal`` and ``conv[0]``."""
         state = getattr(mamba_pool, "mamba_cache", mamba_pool)
         convs = list(state.conv)
         if len(convs) > 1:
             raise ValueError("KDA has one conv state tensor per layer; got %d" % len(convs))
         return cls.from_active(
-            state.temporal, convs[0] if convs else None, num_slots=num_slots, dtype=dtype, use_triton=use_triton
+            state.temporal,
+            convs[0] if convs else None,
+            num_slots=num_slots,
+            dtype=dtype,
+            use_triton=use_triton,
+            buffers=buffers,
+            slots=slots,
         )
 
     def bind_active(self, temporal: torch.Tensor, conv: Optional[torch.Tensor] = None) -> None:
@@ -186,13 +218,23 @@ class CheckpointPool:
 
     # ------------------------------------------------------------------ lifecycle
     def available_size(self) -> int:
-        return len(self._free)
+        return self._slots.available() if self._slots is not None else len(self._free)
 
     def alloc(self, n: int = 1) -> Optional[List[int]]:
         """n fresh writable slots with refcount 1, or None when fewer than n are free."""
-        if n > len(self._free):
+        if self._slots is not None:
+            out = []
+            for _ in range(n):
+                s = self._slots.alloc()
+                if s is None:
+                    for t in out:
+                        self._slots.free(t)
+                    return None
+                out.append(s)
+        elif n > len(self._free):
             return None
-        out = [self._free.pop() for _ in range(n)]
+        else:
+            out = [self._free.pop() for _ in range(n)]
         for s in out:
             self._ref[s] = 1
             self._sealed[s] = False
@@ -212,7 +254,10 @@ class CheckpointPool:
             if self._ref[s] == 0:
                 self._sealed[s] = False
                 self._layers_written[s] = set()
-                self._free.append(s)
+                if self._slots is not None:
+                    self._slots.free(s)
+                else:
+                    self._free.append(s)
                 freed.append(s)
         return freed
 

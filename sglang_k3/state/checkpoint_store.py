@@ -18,6 +18,7 @@ should read, and the cache writes the request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -91,12 +92,27 @@ class QuantizedStore:
     batches_stores = True
 
     def __init__(
-        self, slots: SlotPool, dtype: str, num_slots: int, evict_bytes: Callable[[int], object], fwd: ForwardState
+        self,
+        slots: SlotPool,
+        dtype: str,
+        num_slots: int,
+        evict_bytes: Callable[[int], object],
+        fwd: ForwardState,
+        unified: Optional["UnifiedPlacement"] = None,
     ):
         self.slots = slots
         self.dtype = dtype
         self.fwd = fwd
-        self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
+        if unified is None:
+            self.pool = CheckpointPool.from_mamba_pool(slots.pool, num_slots=num_slots, dtype=dtype)
+        else:  # checkpoints in the unified budget: its views, its ledger decides the handles
+            self.pool = CheckpointPool.from_mamba_pool(
+                slots.pool,
+                num_slots=unified.buffers[0].shape[0],
+                dtype=dtype,
+                buffers=unified.buffers,
+                slots=unified.ledger_slots,
+            )
         # a hit is dequantized by fwd.restores.flush() at the next extend forward, batched with the
         # other hits of that forward (the cache keeps the pin until after it)
         fwd.restores.bind(self.pool)
@@ -201,9 +217,44 @@ class QuantizedStore:
         return {"export_ahead_stored": self.ahead_stored, "export_ahead_unclaimed": self.ahead_unclaimed}
 
 
-def make_store(dtype: str, slots: SlotPool, num_slots: int, evict_bytes: Callable[[int], object], fwd: ForwardState):
+class LedgerSlots:
+    """The unified budget's ledger as a checkpoint pool's slot source."""
+
+    def __init__(self, ledger) -> None:
+        self.ledger = ledger
+
+    def alloc(self) -> Optional[int]:
+        return self.ledger.ckpt_alloc()
+
+    def free(self, handle: int) -> None:
+        self.ledger.ckpt_free(handle)
+
+    def available(self) -> int:
+        return self.ledger.ckpt_free_count()
+
+
+@dataclass(frozen=True)
+class UnifiedPlacement:
+    """Where checkpoints go under unified memory: views into the buffer and the ledger."""
+
+    buffers: tuple  # q, scale, conv (see UnifiedBuffer.checkpoint_views)
+    ledger_slots: LedgerSlots
+
+
+def make_store(
+    dtype: str,
+    slots: SlotPool,
+    num_slots: int,
+    evict_bytes: Callable[[int], object],
+    fwd: ForwardState,
+    unified: Optional[UnifiedPlacement] = None,
+):
+    """The checkpoint store for ``dtype``. With ``unified`` every dtype (fp32 included: a bit-exact
+    copy, not a donated slot) goes to the quantized store in the unified budget."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
+    if unified is not None:
+        return QuantizedStore(slots, dtype, 0, evict_bytes, fwd, unified)
     if dtype == "fp32":
         if slots.pool.mamba_cache.temporal.dtype != torch.float32:
             raise ValueError(

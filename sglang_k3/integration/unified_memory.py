@@ -1,0 +1,254 @@
+"""The unified memory budget inside SGLang: one buffer for MLA KV, active KDA states and k3
+checkpoints (``--k3-no-unified-memory`` turns it off).
+
+SGLang builds its pools first, sized its own way (``--mem-fraction-static``,
+``--max-total-tokens``, ``--max-mamba-cache-size``). :func:`install` (run by
+``patches/kv_cache_configurator_init_pools.py`` right after, before any attention backend reads
+a pool) takes the bytes SGLang gave the KV pool and the state pool as the budget, builds one
+:class:`~sglang_k3.state.unified_buffer.UnifiedBuffer` of that size, points the KV pool's
+per-layer buffers and the mamba pool's ``temporal``/``conv`` at views into it (the old tensors are
+dropped), and replaces the two allocators with ones that draw blocks from one
+:class:`~sglang_k3.cache.block_ledger.BlockLedger`. The k3 cache then puts its checkpoints in the
+same buffer (:func:`checkpoint_buffers`).
+
+What SGLang sees (``docs/sglang_cache_contract.md`` §1h for the checks these keep exact):
+
+* KV allocator: ``available_size()`` = free KV tokens + free blocks beyond the active reserve;
+  ``size`` = KV blocks held + those, so ``available + cached + in use == size`` holds at all times.
+* State-slot allocator and ``mamba_pool.size``: the active reserve ``R`` (SGLang's own count of
+  request slots); ``available_size() = R - active``; ``schedulable_available_size()`` = the free
+  blocks a slot can take now. When short, SGLang asks the cache to evict (``mamba_num``), which
+  evicts by value until blocks are free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+from sglang_k3.cache.block_ledger import BlockLedger, LedgerError, plan_geometry
+from sglang_k3.config import K3Config
+from sglang_k3.state.unified_buffer import CheckpointLayout, StateLayout, UnifiedBuffer
+
+logger = logging.getLogger(__name__)
+
+_CKPT_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class UnifiedConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class UnifiedMemory:
+    """What :func:`install` built, reached by the k3 cache through the pools
+    (:func:`unified_of`)."""
+
+    ledger: BlockLedger
+    buffer: UnifiedBuffer
+    state_layout: StateLayout
+    ckpt_layout: CheckpointLayout
+    ckpt_dtype: str
+    budget_source: dict  # how the budget was sized: SGLang's KV and state pool bytes
+
+    def describe(self) -> dict:
+        g = self.ledger.geom
+        return {
+            "budget_bytes": g.budget_bytes,
+            "block_bytes": g.block_bytes,
+            "num_blocks": g.num_blocks,
+            "kv_tokens_per_block": g.kv_per_block,
+            "checkpoints_per_block": g.ckpt_per_block,
+            "active_reserve": self.ledger.active_reserve,
+            **self.budget_source,
+        }
+
+
+_ATTR = "_k3_unified_memory"
+
+
+def unified_of(req_to_token_pool) -> Optional[UnifiedMemory]:
+    return getattr(req_to_token_pool, _ATTR, None)
+
+
+class UnifiedKVAllocator(TokenToKVPoolAllocator):
+    """SGLang's page-1 KV allocator, drawing tokens from the unified budget's KV blocks."""
+
+    def __init__(self, ledger: BlockLedger, dtype: torch.dtype, device, kvcache) -> None:
+        self.ledger = ledger
+        # the base sets page_size, dtype, device, the KV cache and the free-group state
+        super(TokenToKVPoolAllocator, self).__init__(0, 1, dtype, device, kvcache, False)
+
+    @property
+    def size(self) -> int:
+        return self.ledger.kv_capacity()
+
+    @size.setter
+    def size(self, _value: int) -> None:
+        """The base class assigns it once; the ledger's KV side is the size."""
+
+    def clear(self) -> None:
+        self.ledger.clear()  # SGLang clears both allocators at a flush, after the cache's reset
+        self.free_group = None
+
+    def available_size(self) -> int:
+        return self.ledger.kv_available()
+
+    def alloc(self, need_size: int):
+        got = self.ledger.kv_alloc(need_size)
+        if got is None:
+            return None
+        return torch.tensor(got, dtype=torch.int64, device=self.device)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        if self.free_group is not None:
+            self.free_group.append(self._copy_for_free_group(free_index))
+            return
+        self.ledger.kv_free(free_index.tolist())
+
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        self.free(page_ids)
+
+    def merge_and_sort_free(self) -> None:
+        """Nothing to merge: frees reach the ledger at once."""
+
+
+class UnifiedSlotAllocator(MambaSlotAllocator):
+    """SGLang's state-slot allocator: a slot is a block of the unified budget."""
+
+    def __init__(self, ledger: BlockLedger, device) -> None:
+        self.ledger = ledger
+        self.evict_blocks: Optional[Callable[[int], None]] = None  # set by the k3 cache
+        super().__init__(ledger.active_reserve, device)
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        """Blocks a slot could take now (diagnostics only)."""
+        return torch.tensor(sorted(self.ledger._free), dtype=torch.int64, device=self.device)
+
+    def clear(self) -> None:
+        self.ledger.clear()
+
+    def available_size(self) -> int:
+        return self.ledger.active_reserve - self.ledger.active_count()
+
+    def schedulable_available_size(self) -> int:
+        return min(self.available_size(), self.ledger.free_blocks())
+
+    def _do_alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        if need_size > self.schedulable_available_size():
+            return None
+        got = [self.ledger.active_alloc() for _ in range(need_size)]
+        return torch.tensor(got, dtype=torch.int64, device=self.device)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        got = super().alloc(need_size)
+        if got is None and self.evict_blocks is not None and need_size <= self.available_size():
+            self.evict_blocks(need_size)  # checkpoints (or KV) go, by value, until blocks are free
+            got = self._do_alloc(need_size)
+        return got
+
+    def free(self, free_index: torch.Tensor) -> None:
+        for b in free_index.reshape(-1).tolist():
+            self.ledger.active_free(int(b))
+
+
+def _mla_pool(token_to_kv_pool):
+    full = getattr(token_to_kv_pool, "full_kv_pool", None)
+    if full is None or not hasattr(full, "kv_buffer") or not hasattr(full, "kv_lora_rank"):
+        return None
+    return full
+
+
+def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
+    """Size the budget as SGLang sized its two pools and check the floors fit."""
+    state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
+    ckpt = CheckpointLayout.of_state(state, _CKPT_DTYPES[cfg.checkpoint_dtype])
+    kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
+    kv_bytes = sum(b.numel() * b.element_size() for b in kv_pool.kv_buffer)
+    state_bytes = mamba_pool.mamba_cache.temporal.numel() * mamba_pool.mamba_cache.temporal.element_size() + sum(
+        c.numel() * c.element_size() for c in mamba_pool.mamba_cache.conv
+    )
+    geom = plan_geometry(
+        kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
+    )
+    reserve = max(1, min(int(mamba_pool.size), int(max_running)))
+    need = {
+        "the padding block": 1,
+        f"{reserve} active KDA state slots": reserve,
+        f"one block of MLA KV ({geom.kv_per_block} tokens)": 1,
+    }
+    if cfg.min_kv_tokens:
+        need[f"--k3-min-kv-tokens {cfg.min_kv_tokens}"] = max(0, -(-cfg.min_kv_tokens // geom.kv_per_block) - 1)
+    if cfg.min_checkpoints:
+        need[f"--k3-min-checkpoints {cfg.min_checkpoints}"] = -(-cfg.min_checkpoints // geom.ckpt_per_block)
+    if sum(need.values()) > geom.num_blocks:
+        parts = ", ".join(f"{k}: {v}" for k, v in need.items())
+        raise UnifiedConfigError(
+            f"sglang-k3 unified memory: the budget of {geom.budget_bytes} bytes (SGLang's KV pool {kv_bytes} B + "
+            f"state pool {state_bytes} B) holds {geom.num_blocks} blocks of {geom.block_bytes} B, but needs "
+            f"{sum(need.values())} ({parts}). Raise --max-total-tokens or --mem-fraction-static, lower the floors, "
+            "or lower --max-running-requests."
+        )
+    try:
+        ledger = BlockLedger(
+            geom, active_reserve=reserve, min_kv_tokens=cfg.min_kv_tokens, max_checkpoints=cfg.max_checkpoints
+        )
+    except LedgerError as e:
+        raise UnifiedConfigError(f"sglang-k3 unified memory: {e}") from None
+    sizes = {"sglang_kv_pool_bytes": kv_bytes, "sglang_state_pool_bytes": state_bytes}
+    return ledger, state, ckpt, sizes
+
+
+def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
+    """Rebuild the KV and state pools over one buffer; returns the new KV allocator, or None when
+    this configuration has no unified pool (not an MLA + KDA hybrid)."""
+    kv_pool = _mla_pool(token_to_kv_pool)
+    mamba_pool = getattr(req_to_token_pool, "mamba_pool", None)
+    if kv_pool is None or mamba_pool is None or getattr(allocator, "page_size", 1) != 1:
+        logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid at page size 1; pools left as SGLang built them")
+        return None
+    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
+    g = ledger.geom
+    buf = UnifiedBuffer(g, device=kv_pool.kv_buffer[0].device)
+    dim = kv_pool.kv_buffer[0].shape[-1]
+    kv_pool.kv_buffer = buf.kv_layer_views(len(kv_pool.kv_buffer), dim, kv_pool.kv_buffer[0].dtype)
+    kv_pool.size = g.num_blocks * g.kv_per_block - kv_pool.page_size
+    token_to_kv_pool.size = kv_pool.size
+    if hasattr(kv_pool, "data_ptrs"):
+        kv_pool.data_ptrs = torch.tensor(
+            [x.data_ptr() for x in kv_pool.kv_buffer], dtype=kv_pool.data_ptrs.dtype, device=kv_pool.data_ptrs.device
+        )
+    temporal, conv = buf.state_views(state)
+    mamba_pool.mamba_cache = dataclasses.replace(
+        mamba_pool.mamba_cache, temporal=temporal, conv=[] if conv is None else [conv]
+    )
+    mamba_pool.size = ledger.active_reserve
+    slots = UnifiedSlotAllocator(ledger, device=temporal.device)
+    req_to_token_pool.mamba_allocator = slots
+    new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
+    info = UnifiedMemory(ledger, buf, state, ckpt, cfg.checkpoint_dtype, sizes)
+    setattr(req_to_token_pool, _ATTR, info)
+    logger.info(
+        "sglang-k3 unified memory: %d bytes in %d blocks of %d B (%d KV tokens, one state, or %d %s checkpoints "
+        "each); %d blocks held back for active states",
+        g.budget_bytes,
+        g.num_blocks,
+        g.block_bytes,
+        g.kv_per_block,
+        g.ckpt_per_block,
+        cfg.checkpoint_dtype,
+        ledger.active_reserve,
+    )
+    return new_alloc
+
+
+def checkpoint_buffers(um: UnifiedMemory):
+    return um.buffer.checkpoint_views(um.ckpt_layout)
