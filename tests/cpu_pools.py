@@ -48,3 +48,35 @@ def k3_cache_on_cpu(cfg, layers=(0, 2, 3)):
     alloc = TokenToKVPoolAllocator(size=64, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1)
     return K3RadixCache(params, cfg)
+
+
+def unified_k3_cache_on_cpu(cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba_size: int = 6, rows: int = 4):
+    """The server's ``K3RadixCache`` over the unified budget, built as the server builds it: real
+    SGLang KV and state pools, then :func:`sglang_k3.integration.unified_memory.install`.
+    Returns ``(cache, kv_pool, allocator)``."""
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from sglang_k3.integration.k3_cache import K3RadixCache
+    from sglang_k3.integration.unified_memory import install
+
+    rtp = hybrid_pool(list(layers), heads=2, head_dim=16, conv_kernel=4, mamba_size=mamba_size, size=rows)
+    kv = HybridLinearKVPool(
+        size=kv_tokens,
+        dtype=torch.float32,
+        page_size=1,
+        head_num=1,
+        head_dim=48,
+        full_attention_layer_ids=[1],
+        device="cpu",
+        mamba_pool=rtp.mamba_pool,
+        use_mla=True,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+    )
+    alloc = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    alloc = install(cfg, rtp, kv, alloc)
+    params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1)
+    return K3RadixCache(params, cfg), kv, alloc

@@ -106,3 +106,33 @@ def test_freed_carries_typed_actions_with_the_reason():
     assert [a.reason for a in ev.actions if isinstance(a, ReleaseCheckpoint)] == [DropReason.EVICTED]
     assert sorted(i for a in ev.actions if isinstance(a, FreeKV) for i in a.indices) == sorted(ev.kv_indices)
     assert len(ev.kv_indices) == 256 and ev.handles == c128.handles and tree.total_size() == 0
+
+
+# ---------------------------------------------------------------- one budget for both kinds
+def test_joint_eviction_takes_a_cold_paths_kv_before_a_hot_checkpoint():
+    """KV and checkpoints priced on one scale: the cold path's KV (and its checkpoint) goes, the
+    recently hit path's checkpoint stays, even though the request was for bytes of any kind."""
+    tree, kv, h = build(alpha=0.3, cost=preset("kimi-linear-48b"))
+    cold, _, [c] = branch(tree, kv, h, 1, 512, [512])
+    hot, _, [w] = branch(tree, kv, h, 2, 512, [512])
+    tree.match_prefix(hot + [0], pin=False)
+    freed = tree.evict_ranked(need_bytes=1)
+    assert c.handles[0] in freed.handles and w.handles[0] not in freed.handles
+    assert w.node is not None and tree.total_size() == 512
+
+
+def test_joint_eviction_trims_kv_no_restore_can_use_first():
+    tree, kv, h = build(alpha=1.0)
+    key, node, [ck] = branch(tree, kv, h, 1, 512, [256])
+    freed = tree.evict_ranked(need_bytes=1)
+    assert len(freed.kv_indices) == 256 and not freed.handles  # the tail past the checkpoint
+    assert ck.node is not None
+
+
+def test_joint_eviction_keeps_the_checkpoint_floor():
+    tree, kv, h = build(alpha=1.0)
+    branch(tree, kv, h, 1, 256, [256])
+    branch(tree, kv, h, 2, 256, [256])
+    freed = tree.evict_ranked(need_bytes=10**9, keep_checkpoints=1)
+    assert freed.checkpoints == 1 and tree.checkpoint_count() == 1
+    tree.check_invariants()

@@ -515,10 +515,11 @@ class K3RadixTree:
     def evict_ranked(self, need_bytes: int, keep_checkpoints: int = 0) -> Freed:
         """Free about ``need_bytes`` of KV and checkpoints together, least valuable first, for a
         budget both draw from. KV past a leaf's last checkpoint is worth nothing (no restore can
-        use it) and goes first; then checkpoints and whole leaves (their KV with the checkpoints on
-        them) compete on one scale: prefill FLOPs a hit saves per byte held, with recency (the
-        ``alpha`` blend of :func:`~sglang_k3.cache.eviction.rank`). So the KV of a cold path can
-        lose to a hot checkpoint and the reverse. ``keep_checkpoints``: never take the checkpoint
+        use it) and goes first. Then checkpoints compete, each priced by the prefill FLOPs a hit
+        on it saves per byte it keeps alive: its own bytes, plus, for the last checkpoint of an
+        unlocked leaf, the leaf's KV that dropping it lets go. So the KV of a cold path can lose
+        to a hot checkpoint and the reverse (with recency: the ``alpha`` blend of
+        :func:`~sglang_k3.cache.eviction.rank`). ``keep_checkpoints``: never take the checkpoint
         count below this (a floor)."""
         freed = Freed()
         got = 0
@@ -529,48 +530,36 @@ class K3RadixTree:
             f = self._trim_leaf(leaf, self._keep_end(leaf))
             got += self.policy.kv_bytes(len(f.kv_indices))
             freed.extend(f)
-        if got >= need_bytes:
-            self.stats.evicted_kv_tokens += len(freed.kv_indices)
-            return freed
-        ck_ok = self.checkpoint_count() > keep_checkpoints
         cands = []
-        if ck_ok:
-            cands = [
-                Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
-                for c in self._ckpts.values()
-                if self._ckpt_evictable(c)
-            ]
-        for n in self._leaves():
-            if n.lock_ref or (n.checkpoints and not ck_ok):
-                continue
-            if not all(self._ckpt_evictable(c) for c in n.checkpoints.values()):
-                continue
-            flops = sum(self._saved_flops(c) for c in n.checkpoints.values())
-            cands.append(Candidate(n, n.last_access, flops, self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes()))
+        if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
+            for c in self._ckpts.values():
+                if self._ckpt_evictable(c):
+                    cands.append(Candidate(c, c.last_access, self._saved_flops(c), c.nbytes + self._kv_freed_with(c)))
         for cand in rank(cands, self.policy.alpha):
-            if got >= need_bytes:
+            if got >= need_bytes or self.checkpoint_count() <= keep_checkpoints:
                 break
-            obj = cand.obj
-            if isinstance(obj, Checkpoint):
-                if obj.node is None or self.checkpoint_count() <= keep_checkpoints:
-                    continue  # went with its leaf, or the floor is reached
-                f = self.drop_checkpoint(obj, DropReason.EVICTED)
-            else:
-                leaf: Node = obj  # type: ignore[assignment]
-                if leaf.parent is None or not leaf.is_leaf or leaf.lock_ref:
-                    continue
-                if leaf.checkpoints and self.checkpoint_count() - len(leaf.checkpoints) < keep_checkpoints:
-                    continue
-                f = Freed()
-                for ck in list(leaf.checkpoints.values()):
-                    f.extend(self.drop_checkpoint(ck, DropReason.EVICTED))
-                f.extend(self._trim_leaf(leaf, leaf.start))
-            self.stats.evicted_checkpoints += f.checkpoints
+            ck: Checkpoint = cand.obj  # type: ignore[assignment]
+            node = ck.node
+            if node is None:
+                continue
+            f = self.drop_checkpoint(ck, DropReason.EVICTED)
+            self.stats.evicted_checkpoints += 1
             self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+            if node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
+                f.extend(self._trim_leaf(node, self._keep_end(node)))  # the KV it kept alive
             got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
             freed.extend(f)
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
+
+    def _kv_freed_with(self, ck: Checkpoint) -> int:
+        """KV bytes that dropping ``ck`` lets go: the tail of an unlocked leaf past the checkpoint
+        before it (or the whole leaf), when ``ck`` is the leaf's last checkpoint."""
+        n = ck.node
+        if n is None or not n.is_leaf or n.lock_ref or ck.pos != max(n.checkpoints):
+            return 0
+        lower = [p for p in n.checkpoints if p < ck.pos]
+        return self.policy.kv_bytes(ck.pos - (max(lower) if lower else n.start))
 
     def _trim_leaf(self, leaf: Node, keep_end: int) -> Freed:
         """Free the leaf's KV past ``keep_end`` (a page multiple); removes the leaf at its start."""

@@ -1,0 +1,150 @@
+"""The unified budget on real SGLang pools (CPU), as the server installs it: the views of the three
+kinds never overlap in memory, checkpoints round-trip through the shared buffer, a shortage of
+one kind is met by evicting the other, SGLang's leak-check equations hold, and a budget or floors
+that cannot work are refused with the sizes."""
+
+import random
+
+import pytest
+import torch
+from cpu_pools import unified_k3_cache_on_cpu
+
+from sglang_k3.config import K3Config
+from sglang_k3.integration.unified_memory import UnifiedConfigError, plan
+
+
+def _pools(cache):
+    rtp = cache.req_to_token_pool
+    return rtp, rtp.mamba_pool.mamba_cache
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_live_allocations_of_all_kinds_never_share_bytes(seed):
+    """Write a distinct value through every live KV token, state slot and checkpoint, through
+    the very views SGLang and the checkpoint pool use; every one reads back its own value."""
+    rng = random.Random(seed)
+    cache, kv, alloc = unified_k3_cache_on_cpu(K3Config(checkpoint_dtype="fp32"), kv_tokens=160, mamba_size=8)
+    rtp, mc = _pools(cache)
+    buf = kv.full_kv_pool.kv_buffer[0]
+    tokens, slots, handles = [], [], []
+    tag = 1.0
+    marks = {}
+    for _ in range(40):
+        op = rng.choice(["kv", "kv", "slot", "ckpt", "free_kv"])
+        if op == "kv":
+            got = alloc.alloc(rng.randint(1, 30))
+            if got is not None:
+                tokens += got.tolist()
+        elif op == "slot":
+            got = rtp.mamba_allocator.alloc(1)
+            if got is not None:
+                slots.append(int(got[0]))
+        elif op == "ckpt":
+            h = cache.store.alloc()
+            if h is not None:
+                handles.append(h)
+        elif op == "free_kv" and tokens:
+            alloc.free(torch.tensor(tokens[:5]))
+            tokens = tokens[5:]
+    for t in tokens:
+        buf[t] = tag
+        marks[("kv", t)] = tag
+        tag += 1
+    q = cache.store.pool.q
+    for s in slots:
+        mc.temporal[:, s] = tag
+        mc.conv[0][:, s] = tag
+        marks[("slot", s)] = tag
+        tag += 1
+    for h in handles:
+        q[h] = tag
+        cache.store.pool.conv[h] = tag
+        marks[("ckpt", h)] = tag
+        tag += 1
+    for (kind, i), v in marks.items():
+        if kind == "kv":
+            assert torch.all(buf[i] == v), (kind, i)
+        elif kind == "slot":
+            assert torch.all(mc.temporal[:, i] == v) and torch.all(mc.conv[0][:, i] == v), (kind, i)
+        else:
+            assert torch.all(q[i] == v) and torch.all(cache.store.pool.conv[i] == v), (kind, i)
+    assert len(marks) > 10
+    cache.ledger.check()
+
+
+def test_checkpoints_round_trip_through_the_shared_buffer():
+    """fp32 checkpoints in the unified buffer are bit-exact; the active slot's state is restored."""
+    cache, _, _ = unified_k3_cache_on_cpu(K3Config(checkpoint_dtype="fp32"))
+    rtp, mc = _pools(cache)
+    a, b = (int(rtp.mamba_allocator.alloc(1)[0]) for _ in range(2))
+    torch.manual_seed(0)
+    mc.temporal[:, a] = torch.randn_like(mc.temporal[:, a])
+    mc.conv[0][:, a] = torch.randn_like(mc.conv[0][:, a])
+    h = cache.store.capture_active(a)
+    assert h is not None
+    cache.store.pool.restore([h], [b])
+    assert torch.equal(mc.temporal[:, a], mc.temporal[:, b]) and torch.equal(mc.conv[0][:, a], mc.conv[0][:, b])
+
+
+def _fill_with_checkpoints(cache, alloc, length=200):
+    """One cached path of ``length`` tokens with a checkpoint at every position, until the
+    budget has no room for another: every free block ends up holding checkpoints."""
+    tree, led = cache.tree, cache.ledger
+    ins = cache.lifecycle.insert(list(range(1, length + 1)), alloc.alloc(length).tolist())
+    for pos in range(1, length + 1):
+        if not led.ckpt_has_room():
+            break
+        h = cache.store.alloc()
+        tree.add_checkpoint(ins.node, pos, [h], cache.store.slot_bytes, ready=True)
+    assert not led.ckpt_has_room() and led.free_blocks() == 0
+    return ins.node
+
+
+def test_a_state_slot_shortage_evicts_checkpoints_and_the_leak_equations_hold():
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    rtp, _ = _pools(cache)
+    led = cache.ledger
+    _fill_with_checkpoints(cache, alloc)
+    before = led.ckpt_count()
+    got = rtp.mamba_allocator.alloc(1)  # the slot allocator evicts by value until a block frees
+    assert got is not None and led.ckpt_count() < before
+    assert led.ckpt_count() >= before - 2 * led.geom.ckpt_per_block  # about one block's worth, not all
+    # SGLang's idle equations (invariant_checker._check_all_pools), with the slot given back
+    rtp.mamba_allocator.free(got)
+    assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == alloc.size
+    assert rtp.mamba_allocator.available_size() + cache.mamba_evictable_size() + cache.mamba_protected_size() == (
+        rtp.mamba_pool.size
+    )
+    # a flush: the cache drops the tree, SGLang clears both allocators; every usable byte is free
+    cache.reset()
+    rtp.clear()
+    alloc.clear()
+    g = led.geom
+    assert led.free_blocks() == g.usable_blocks and led.largest_free_run() == g.usable_blocks * g.block_bytes
+
+
+def test_a_kv_shortage_evicts_checkpoints_into_kv_blocks():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    led = cache.ledger
+    node = _fill_with_checkpoints(cache, alloc)
+    cache.tree.inc_lock_ref(node)  # a running request holds the path's KV: only checkpoints can go
+    ckpt_blocks = led.bytes_by_kind()["checkpoint_bytes"]
+    want = alloc.available_size() + led.geom.kv_per_block
+    cache.evict(EvictParams(num_tokens=want - alloc.available_size()))
+    assert alloc.available_size() >= want
+    assert led.bytes_by_kind()["checkpoint_bytes"] < ckpt_blocks
+    assert cache.tree.total_size() == 200  # the locked KV stayed
+
+
+def test_budgets_and_floors_that_cannot_work_are_refused_with_the_sizes():
+    cache, kv, _ = unified_k3_cache_on_cpu(K3Config(), kv_tokens=96, mamba_size=6)
+    rtp = cache.req_to_token_pool
+    with pytest.raises(UnifiedConfigError, match="--k3-min-kv-tokens 100000"):
+        plan(K3Config(min_kv_tokens=100_000), kv.full_kv_pool, rtp.mamba_pool, max_running=4)
+    with pytest.raises(UnifiedConfigError, match="--k3-min-checkpoints 500"):
+        plan(K3Config(min_checkpoints=500), kv.full_kv_pool, rtp.mamba_pool, max_running=4)
+    # SGLang sized 8 KV tokens and one state slot: not even one state slot and one KV block
+    with pytest.raises(UnifiedConfigError, match=r"holds 2 blocks .* needs 3 \(the padding block: 1, 1 active KDA"):
+        unified_k3_cache_on_cpu(K3Config(), kv_tokens=8, mamba_size=1)
