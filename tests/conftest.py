@@ -38,6 +38,20 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     ],
     # The user-facing default: int8 checkpoints in their own pool (small, so it evicts).
     "k3_int8": ["--k3-checkpoint-slots", "16"],
+    # Unified memory under pressure: a budget of about 15 blocks (3,072 KV tokens and 6 state slots
+    # as SGLang sizes them), 4 running requests; fp32 checkpoints so greedy tokens are exact.
+    "k3_pressure": [
+        "--k3-checkpoint-dtype",
+        "fp32",
+        "--max-total-tokens",
+        "3072",
+        "--max-mamba-cache-size",
+        "6",
+        "--max-running-requests",
+        "4",
+        "--chunked-prefill-size",
+        "256",
+    ],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],
 }
