@@ -44,7 +44,7 @@ GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 DEFAULT_OUT = os.path.join("benchmarks", "results", "trace_replay")
-DEFAULT_POLICIES = "k3,k3-unified,upstream,vllm-align,marconi,oracle,fa-budget"
+DEFAULT_POLICIES = "k3,k3-fixed,upstream,vllm-align,marconi,oracle,fa-budget"
 DTYPES = ("int8", "bf16", "fp32")
 
 
@@ -218,7 +218,7 @@ def build_records(args, results) -> list:
                 baseline_state_dtype=args.baseline_state_dtype,
                 state_dtype=(
                     args.checkpoint_dtype
-                    if p in ("k3", "k3-unified", "marconi")
+                    if p in ("k3", "k3-fixed", "marconi")
                     else args.baseline_state_dtype
                     if p in ("upstream", "vllm-align")
                     else None
@@ -244,7 +244,7 @@ def plot(records, path: str, title: str) -> None:
         "oracle": dict(ls="--", color="black"),
         "fa-budget": dict(ls=":", color="gray", marker="s"),
         "k3": dict(marker="o", lw=3.5, alpha=0.75, zorder=1),
-        "k3-unified": dict(marker="o", ls="--", alpha=0.75),
+        "k3-fixed": dict(marker="o", ls="--", alpha=0.75),
         "marconi": dict(marker="^", ls="--", zorder=3),
     }
     for p in dict.fromkeys(r["policy"] for r in records):
@@ -280,9 +280,10 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0] + " Replays a Mooncake-format JSONL trace through each "
         "policy at each memory budget and writes DIR/results.json and DIR/hit_rate.png.",
         epilog="Policies: k3 (ours, exactly as launch_server ships it: the server's request "
-        "lifecycle built from its default K3Config, int8 checkpoints in their own pool of "
-        "--k3-checkpoint-slots), k3-unified (NOT shipped: the same lifecycle with one byte "
-        "budget for KV and checkpoints), upstream (SGLang 0.5.23 hybrid cache), vllm-align "
+        "lifecycle built from its default K3Config, int8 checkpoints and MLA KV in one "
+        "unified budget cut into the server's blocks), k3-fixed (--k3-no-unified-memory: "
+        "checkpoints in their own pool of --k3-checkpoint-slots, KV in the rest), upstream "
+        "(SGLang 0.5.23 hybrid cache), vllm-align "
         "(vLLM align mode), marconi (branch points + last token, FLOP-aware eviction), oracle "
         "(KV-only, unlimited memory), fa-budget (KV-only LRU in the same budget). Each is documented "
         "in benchmarks/policies/<name>.py. oracle and fa-budget always run, since every record "

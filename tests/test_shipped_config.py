@@ -23,8 +23,10 @@ def _parsed(argv: list[str]) -> K3Config:
 
 def _server_cache(cfg: K3Config):
     pytest.importorskip("sglang")
-    from cpu_pools import k3_cache_on_cpu
+    from cpu_pools import k3_cache_on_cpu, unified_k3_cache_on_cpu
 
+    if cfg.unified_memory:  # as the server builds it: SGLang's pools, then the unified install
+        return unified_k3_cache_on_cpu(cfg)[0]
     return k3_cache_on_cpu(cfg)
 
 
@@ -61,9 +63,14 @@ def test_default_flags_give_the_same_objects_to_server_and_replay():
         dataclasses.replace(replay.lifecycle.placement, decode_interval=server.placement.decode_interval)
         == server.placement
     )
-    # memory as the server holds it: int8 checkpoints in a pool of --k3-checkpoint-slots
+    # memory as the server holds it: int8 checkpoints, MLA KV and active states in one budget,
+    # one ledger class cut by the same plan_geometry (sizes differ: a tiny model vs 48B)
     assert server.store.dtype == replay.store.dtype == "int8"
-    assert server.store.pool.num_slots == replay.store.capacity == cfg.checkpoint_slots == 64
+    assert server.unified is not None and replay.ledger is not None and replay.store.capacity is None
+    assert type(server.ledger) is type(replay.ledger)
+    for led in (server.ledger, replay.ledger):
+        assert led.geom.ckpt_per_block * led.geom.ckpt_stride == led.geom.block_bytes
+        assert led.max_checkpoints == 0 and led.min_kv_tokens == 0
 
 
 def test_a_flag_reaches_both_alike():
@@ -76,6 +83,7 @@ def test_a_flag_reaches_both_alike():
             "5",
             "--k3-decode-checkpoint-interval",
             "0",
+            "--k3-no-unified-memory",
         ]
     )
     server, replay = _server_cache(cfg), _replay_policy(cfg)
@@ -84,3 +92,11 @@ def test_a_flag_reaches_both_alike():
         assert lc.placement.at_branch_points is False
         assert lc.placement.decode_interval is None
     assert server.store.pool.num_slots == replay.store.capacity == 5
+    assert replay.ledger is None and getattr(server, "unified", None) is None
+
+
+def test_unified_floors_and_caps_reach_both_alike():
+    cfg = _parsed(["--k3-max-checkpoints", "7", "--k3-min-kv-tokens", "128"])
+    server, replay = _server_cache(cfg), _replay_policy(cfg)
+    assert server.ledger.max_checkpoints == replay.ledger.max_checkpoints == 7
+    assert server.ledger.min_kv_tokens == 128 and replay.ledger.min_kv_tokens == 128 // 64  # in symbols

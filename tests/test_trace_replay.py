@@ -17,7 +17,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
-ALL = ["k3", "k3-unified", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
+ALL = ["k3", "k3-fixed", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
 FIELDS = {
     "policy": str,
     "budget_gib": (int, float),
@@ -171,9 +171,9 @@ def test_real_trace_slice(tmp_path):
     with open(REAL_TRACE) as f, open(trace, "w") as g:
         for _, line in zip(range(3000), f):
             g.write(line)
-    budgets = [4, 16]
+    budgets = [4, 40]
     res = run_cli(
-        "--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "4,16", "--out", str(tmp_path / "o")
+        "--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "4,40", "--out", str(tmp_path / "o")
     )
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads((tmp_path / "o" / "results.json").read_text())
@@ -186,10 +186,11 @@ def test_real_trace_slice(tmp_path):
         )
         assert by[("fa-budget", b)]["hit_rate"] >= k3
         assert all(by[(p, b)]["hit_rate"] <= by[("oracle", b)]["hit_rate"] for p in ALL)
-    # k3 as shipped (a 64-slot int8 checkpoint pool): measured 0.059 vs upstream's 0.047 at 16 GiB,
-    # where upstream's fp32 states crowd out its KV; at 4 GiB both are at 0.040. (On the whole
-    # trace the shipped pool caps k3 below upstream from 40 GiB on: see the README's table.)
-    assert by[("k3", 16)]["hit_rate"] >= 1.2 * by[("upstream", 16)]["hit_rate"]
+    # k3 as shipped (unified memory, int8): measured 0.148 vs upstream's 0.093 and k3-fixed's 0.060
+    # at 40 GiB, where one budget lets checkpoints take what a fixed pool cannot; at 4 GiB it is
+    # below both (0.034 vs 0.040: checkpoints displace KV when bytes are tight; see the README).
+    assert by[("k3", 40)]["hit_rate"] >= 1.4 * by[("upstream", 40)]["hit_rate"]
+    assert by[("k3", 40)]["hit_rate"] >= 2 * by[("k3-fixed", 40)]["hit_rate"]
 
 
 def test_help_explains_the_contract():

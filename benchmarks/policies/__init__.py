@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.policies.base import Admission, Policy, SimConfig
 from benchmarks.policies.fa_budget import FaBudgetPolicy
-from benchmarks.policies.k3 import K3Policy, K3UnifiedPolicy
+from benchmarks.policies.k3 import K3FixedPolicy, K3Policy
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
 from benchmarks.policies.upstream import UpstreamPolicy
@@ -13,7 +13,7 @@ from benchmarks.policies.vllm_align import VllmAlignPolicy
 
 POLICIES = {
     "k3": K3Policy,
-    "k3-unified": K3UnifiedPolicy,
+    "k3-fixed": K3FixedPolicy,
     "upstream": UpstreamPolicy,
     "vllm-align": VllmAlignPolicy,
     "marconi": MarconiPolicy,

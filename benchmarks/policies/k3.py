@@ -16,11 +16,18 @@ server's cache calls, in the server's order:
 * finish: decode-interval checkpoints (``checkpoint_running`` DECODE), ``insert`` of prompt +
   output, ``finish`` (generation end, donated), ``release``.
 
-Memory, as the server holds it (``--k3-checkpoint-dtype int8`` by default): checkpoints live in a
-pool of ``--k3-checkpoint-slots`` slots of their own (:class:`SimulatedStore`, which evicts by the
-tree's utility when full, as ``QuantizedStore.alloc`` does); MLA KV gets the rest of the budget.
-``k3-unified`` is the same lifecycle with one byte budget for KV and checkpoints and no slot
-count: a configuration the server does **not** run today (labelled as such in every table).
+Memory, as the server holds it by default (unified memory, ``--k3-checkpoint-dtype int8``): the
+budget is one :class:`~sglang_k3.cache.block_ledger.BlockLedger`, cut by the server's own
+``plan_geometry`` into blocks that hold one fp32 active state, or ``ckpt_per_block`` checkpoints,
+or ``kv_per_block`` symbols of MLA KV. KV symbols, checkpoint handles and active slots are the
+ledger's indices, so block packing, the checkpoint stride's padding and fragmentation are modelled,
+not assumed away. A shortage of any kind evicts KV and checkpoints together by value until the
+ledger has room (``CacheLifecycle.evict_until``), as the server's cache does. Active states of
+running requests are not modelled, as for every policy here (none of them counts its running
+requests' states); the server holds them in the same budget (``R`` blocks held back).
+``k3-fixed`` is ``--k3-no-unified-memory``: checkpoints in a pool of ``--k3-checkpoint-slots`` of
+their own (:class:`SimulatedStore` evicts by the tree's utility when full, as
+``QuantizedStore.alloc`` does), MLA KV in the rest of the budget, active states not counted.
 
 Deviations (the same for every policy): the whole prefill happens at admission and decode
 checkpoints at finish; positions snap to symbols, so a state at a partial symbol (a prompt end
@@ -36,25 +43,42 @@ from typing import Callable, Optional, Sequence
 
 from benchmarks.policies.base import Admission, Policy, ScaledCost, SimConfig
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
+from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
 from sglang_k3.cache.lifecycle import build_lifecycle
 from sglang_k3.config import K3Config
 
 
 class SimulatedStore:
     """The replay's :class:`~sglang_k3.cache.lifecycle.CheckpointStore`: handles are ints, bytes
-    are counted, nothing is copied. ``capacity`` (checkpoints) models a fixed checkpoint pool; None
-    means checkpoints share the byte budget with KV (the caller enforces it)."""
+    are counted, nothing is copied. With a ``ledger`` (unified memory) handles and active slots are
+    the ledger's; otherwise ``capacity`` (checkpoints) models a fixed checkpoint pool."""
 
     shares_active_slots = False
     batches_stores = False
 
-    def __init__(self, dtype: str, slot_bytes: int, capacity: Optional[int], evict_bytes: Callable[[int], object]):
+    def __init__(
+        self,
+        dtype: str,
+        slot_bytes: int,
+        capacity: Optional[int],
+        evict_bytes: Callable[[int], object],
+        ledger: Optional[BlockLedger] = None,
+    ):
         self.dtype, self.slot_bytes, self.capacity = dtype, slot_bytes, capacity
         self._evict_bytes = evict_bytes
         self._next = itertools.count(1)
         self.live: set[int] = set()
+        self.ledger = ledger
 
     def alloc(self) -> Optional[int]:
+        if self.ledger is not None:
+            h = self.ledger.ckpt_alloc()
+            if h is None:
+                self._evict_bytes(self.slot_bytes)
+                h = self.ledger.ckpt_alloc()
+            if h is not None:
+                self.live.add(h)
+            return h
         if self.capacity is not None and len(self.live) >= self.capacity:
             self._evict_bytes(self.slot_bytes)
             if len(self.live) >= self.capacity:
@@ -82,11 +106,14 @@ class SimulatedStore:
         pass
 
     def release_active(self, active_slot: int) -> None:
-        pass
+        if self.ledger is not None and active_slot:  # 0: the request got no slot
+            self.ledger.active_free(active_slot)
 
     def free(self, handles: Sequence[int]) -> None:
         for h in handles:
             self.live.remove(h)
+            if self.ledger is not None:
+                self.ledger.ckpt_free(h)
 
     def stats(self) -> dict[str, int]:
         return {"store_live": len(self.live)}
@@ -112,37 +139,90 @@ class _SimExport:
 class _Running:
     rid: str
     node: object  # the node the request's path is locked at (None: nothing locked)
+    slot: int = 0  # active states are not modelled: no slot
+    key: Sequence = ()  # the key its locked path was inserted (or matched) under
 
 
 class K3Policy(Policy):
     name = "k3"
-    unified = False  # the server's layout: a checkpoint pool of its own, KV gets the rest
 
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
         self.cfg = cfg
         self.k3 = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         self.budget_bytes = budget_bytes
         slot_bytes = cfg.checkpoint_bytes(self.k3.checkpoint_dtype)
-        capacity = None if self.unified else self.k3.checkpoint_slots
+        self.unified = self.k3.unified_memory and budget_bytes is not None
+        self.ledger: Optional[BlockLedger] = None
+        capacity = None
+        if self.unified:
+            geom = plan_geometry(
+                int(budget_bytes),
+                kv_token_bytes=cfg.kv_bytes_per_symbol,
+                active_bytes=cfg.checkpoint_bytes("fp32"),
+                ckpt_bytes=slot_bytes,
+            )
+            self.ledger = BlockLedger(
+                geom,
+                active_reserve=0,
+                min_kv_tokens=-(-self.k3.min_kv_tokens // cfg.unit),
+                max_checkpoints=self.k3.max_checkpoints,
+            )
+        elif budget_bytes is not None:
+            capacity = self.k3.checkpoint_slots
         self.store = SimulatedStore(
-            self.k3.checkpoint_dtype, slot_bytes, capacity, lambda n: self.lifecycle.evict(num_bytes=n)
+            self.k3.checkpoint_dtype, slot_bytes, capacity, self._evict_for_checkpoint, self.ledger
         )
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
         self.lifecycle = build_lifecycle(self.k3, self.store, ev, self._free_kv, unit=cfg.unit)
         self.tree = self.lifecycle.tree
         self.pool_bytes = 0 if capacity is None else capacity * slot_bytes
         self._kv_next = 0
-        self._active = itertools.count(1)
         self.overshoot_max = 0.0
+        self.kv_alloc_failures = 0  # chunks whose KV found no room even after eviction (not cached)
 
     # ------------------------------------------------------------------ memory
-    def _free_kv(self, indices: list[int]) -> None:
-        """KV indices are only counted (the tree's size is the KV held)."""
+    def _evict_for_checkpoint(self, nbytes: int) -> None:
+        led = self.ledger
+        if led is None or led.ckpt_at_cap():
+            self.lifecycle.evict(num_bytes=nbytes)
+        else:
+            self.lifecycle.evict_until(led.ckpt_has_room, led.geom.block_bytes)
 
-    def _kv(self, n: int) -> range:
-        r = range(self._kv_next, self._kv_next + n)
-        self._kv_next += n
-        return r
+    def _free_kv(self, indices: list[int]) -> None:
+        if self.ledger is not None:
+            self.ledger.kv_free(indices)
+
+    def _kv(self, existing: Sequence[int], end: int) -> Optional[list[int]]:
+        """KV indices for positions ``[0, end)``: the path's own for the first ``len(existing)``,
+        fresh ones after (the server allocates only the new tokens; the tree frees duplicates)."""
+        existing = list(existing[:end])
+        n = end - len(existing)
+        if self.ledger is None:
+            fresh = list(range(self._kv_next, self._kv_next + n))
+            self._kv_next += n
+            return existing + fresh
+        led = self.ledger
+        got = led.kv_alloc(n)
+        if got is None:
+            self.lifecycle.evict_until(
+                lambda: led.kv_available() >= n, n * led.geom.kv_token_bytes, group=led.block_of_checkpoint
+            )
+            got = led.kv_alloc(n)
+        if got is None:
+            self.kv_alloc_failures += 1
+            return None
+        return existing + got
+
+    def _path_kv(self, run: _Running, key: Sequence) -> list[int]:
+        """The request's own KV indices that ``key`` can reuse: its locked path's, up to where
+        that path's key and ``key`` part (a prompt ending inside a symbol differs there from the
+        full sequence)."""
+        if run.node is None:
+            return []
+        path = self.tree.path_kv(run.node)
+        n = min(len(path), len(key), len(run.key))
+        j = next((i for i in range(n) if run.key[i] != key[i]), n)
+        return path[:j]
 
     def kv_bytes(self) -> int:
         return self.tree.total_size() * self.cfg.kv_bytes_per_symbol
@@ -151,20 +231,21 @@ class K3Policy(Policy):
         return self.kv_bytes(), self.tree.checkpoint_bytes()
 
     def enforce_budget(self) -> None:
-        """KV over its share (the budget less the checkpoint pool, or with ``unified`` the budget
-        less the live checkpoints) is evicted down to the low watermark, leaves by utility."""
-        if self.budget_bytes is None:
+        """Fixed pools: KV over its share (the budget less the checkpoint pool) is evicted down to
+        the low watermark, leaves by utility. Unified: nothing to do, the ledger is the budget and
+        every allocation evicts what it needs."""
+        if self.budget_bytes is None or self.unified:
             return
         kvb = self.cfg.kv_bytes_per_symbol
         low = 1.0 - self.cfg.evict_watermark
         while True:
-            held = self.kv_bytes() + (self.tree.checkpoint_bytes() if self.unified else self.pool_bytes)
+            held = self.kv_bytes() + self.pool_bytes
             if held <= self.budget_bytes:
                 break
             freed = self.lifecycle.evict(num_tokens=math.ceil((held - self.budget_bytes * low) / kvb))
             if not freed.kv_indices and not freed.checkpoint_bytes:
                 break
-        held = self.kv_bytes() + (self.tree.checkpoint_bytes() if self.unified else self.pool_bytes)
+        held = self.kv_bytes() + self.pool_bytes
         self.overshoot_max = max(self.overshoot_max, held - self.budget_bytes)
 
     # ------------------------------------------------------------------ the request's life
@@ -178,18 +259,26 @@ class K3Policy(Policy):
             self.tree.dec_lock_ref(run.node)
         run.node = node
 
-    def _extend(self, run: _Running, key, prefix: int, end: int) -> None:
+    def _insert(self, run: _Running, key, existing: Sequence[int], end: int):
+        kv = self._kv(existing, end)
+        if kv is None:
+            return None
+        ins = self.lifecycle.insert(key[:end], kv)
+        self._lock(run, ins.node)
+        run.key = key
+        return None if ins.node is self.tree.root else ins
+
+    def _extend(self, run: _Running, key, prefix: int, end: int, existing: Sequence[int]) -> None:
         """One prefill chunk ``(prefix, end]``: the forward exports its grid, then the request
         checkpoints the way the server's ``checkpoint(req, up_to=end)`` does."""
         lc = self.lifecycle
         grid = list(range(prefix + 1, end))
         planned = frozenset(lc.export_plan(run.rid, grid, end))
-        ins = lc.insert(key[:end], self._kv(end))
-        self._lock(run, ins.node)
-        if ins.node is self.tree.root:
+        ins = self._insert(run, key, existing, end)
+        if ins is None:
             return
         lc.store_exports(run.rid, ins.node, end, _SimExport(prefix, end, planned))
-        lc.checkpoint_running(run.rid, ins.node, end, active_slot=0)
+        lc.checkpoint_running(run.rid, ins.node, end, active_slot=run.slot)
 
     def admit(self, trace, i: int) -> Admission:
         key = trace.prompt(i)
@@ -197,10 +286,14 @@ class K3Policy(Policy):
         lc = self.lifecycle
         m = lc.match(run.rid, key, admit=True, prompt_len=len(key))
         restore = m.restore_len
+        self._lock(run, m.node)  # the matched prefix is the request's (req.lock)
+        run.key = key
+        existing: Sequence[int] = m.kv_indices
         prefix = restore
         for end in self.cfg.chunk_ends(restore, len(key)):
-            self._extend(run, key, prefix, end)
+            self._extend(run, key, prefix, end, existing)
             lc.release_pin(run.rid)  # the first forward ran: the copy-on-write has landed
+            existing = self._path_kv(run, key)
             prefix = end
         self.enforce_budget()
         return Admission(
@@ -214,22 +307,20 @@ class K3Policy(Policy):
         processed = min(len(seq), (L + O - 1) // u)  # the last generated token is never fed back
         for s in range(L // u + 1, processed + 1):
             if lc.decode_due(s):
-                ins = lc.insert(seq[:s], self._kv(s))
-                self._lock(run, ins.node)
-                if ins.node is not self.tree.root:
-                    lc.checkpoint_running(run.rid, ins.node, s, active_slot=0, kind=CheckpointKind.DECODE)
+                ins = self._insert(run, seq, self._path_kv(run, seq), s)
+                if ins is not None:
+                    lc.checkpoint_running(run.rid, ins.node, s, active_slot=run.slot, kind=CheckpointKind.DECODE)
         if processed > 0:
-            ins = lc.insert(seq[:processed], self._kv(processed))
-            self._lock(run, ins.node)
-            if ins.node is not self.tree.root:
-                lc.finish(ins.node, processed, processed, active_slot=0)
+            ins = self._insert(run, seq, self._path_kv(run, seq), processed)
+            if ins is not None:
+                lc.finish(ins.node, processed, processed, active_slot=run.slot)
         self._lock(run, None)
         lc.release(run.rid)
         self.enforce_budget()
 
     def summary(self) -> dict:
         s = self.tree.stats
-        return {
+        out = {
             "checkpoints_evicted": s.evicted_checkpoints,
             "checkpoints_recycled": s.recycled_checkpoints,
             "kv_tokens_evicted": s.evicted_kv_tokens * self.cfg.unit,
@@ -237,11 +328,30 @@ class K3Policy(Policy):
             "checkpoint_pool_slots": self.store.capacity,
             "budget_overshoot_bytes_max": self.overshoot_max,
             "k3_config": dataclasses.asdict(self.k3),
+            "unified_memory": self.unified,
+            "kv_alloc_failures": self.kv_alloc_failures,
         }
+        if self.ledger is not None:
+            g, c = self.ledger.geom, self.ledger.counters
+            out["unified"] = {
+                "block_bytes": g.block_bytes,
+                "num_blocks": g.num_blocks,
+                "kv_symbols_per_block": g.kv_per_block,
+                "checkpoints_per_block": g.ckpt_per_block,
+                "blocks_to_kv": c.blocks_to_kv,
+                "blocks_to_checkpoints": c.blocks_to_ckpt,
+                "peak_kv_bytes": c.peak_kv_blocks * g.block_bytes,
+                "peak_checkpoint_bytes": c.peak_ckpt_blocks * g.block_bytes,
+            }
+        return out
 
 
-class K3UnifiedPolicy(K3Policy):
-    """NOT SHIPPED: the server's lifecycle with one byte budget for KV and checkpoints."""
+class K3FixedPolicy(K3Policy):
+    """``--k3-no-unified-memory``: a checkpoint pool of ``--k3-checkpoint-slots`` of its own, KV in
+    the rest of the budget (the layout before unified memory; not the default)."""
 
-    name = "k3-unified"
-    unified = True
+    name = "k3-fixed"
+
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
+        base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
+        super().__init__(cfg, budget_bytes, dataclasses.replace(base, unified_memory=False))

@@ -344,6 +344,10 @@ class BlockLedger:
     def ckpt_count(self) -> int:
         return self._ckpt_live
 
+    def block_of_checkpoint(self, ck) -> int:
+        """For eviction by block: the block a tree checkpoint's (first) handle lives in."""
+        return ck.handles[0] // self.geom.ckpt_per_block
+
     # ------------------------------------------------------------------ reporting
     def bytes_by_kind(self) -> dict[str, int]:
         """The split: bytes held by each kind (whole blocks; ``*_used`` counts live entries)."""

@@ -375,16 +375,23 @@ class CacheLifecycle:
             self._release_done_pins()
         return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes))
 
-    def evict_until(self, done: Callable[[], bool], step_bytes: int, keep_checkpoints: int = 0) -> Freed:
+    def evict_until(
+        self,
+        done: Callable[[], bool],
+        step_bytes: int,
+        keep_checkpoints: int = 0,
+        group: Optional[Callable[[Checkpoint], int]] = None,
+    ) -> Freed:
         """For a budget KV and checkpoints share: evict the least valuable of both, about
-        ``step_bytes`` at a time (:meth:`K3RadixTree.evict_ranked`), executing each batch's
-        frees, until ``done()`` says the memory asked for is there or nothing more can go."""
+        ``step_bytes`` at a time (:meth:`K3RadixTree.evict_ranked`; ``group`` makes checkpoints
+        that share a block go together), executing each batch's frees, until ``done()`` says the
+        memory asked for is there or nothing more can go."""
         total = Freed()
         if done():
             return total
         self._release_done_pins()
         while not done():
-            freed = self._apply(self.tree.evict_ranked(max(1, step_bytes), keep_checkpoints))
+            freed = self._apply(self.tree.evict_ranked(max(1, step_bytes), keep_checkpoints, group))
             if not freed.actions:
                 break
             total.extend(freed)

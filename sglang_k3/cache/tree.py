@@ -40,7 +40,7 @@ Design
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.eviction import Candidate, EvictionPolicy, rank
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
@@ -512,7 +512,9 @@ class K3RadixTree:
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
 
-    def evict_ranked(self, need_bytes: int, keep_checkpoints: int = 0) -> Freed:
+    def evict_ranked(
+        self, need_bytes: int, keep_checkpoints: int = 0, group: Optional[Callable[[Checkpoint], int]] = None
+    ) -> Freed:
         """Free about ``need_bytes`` of KV and checkpoints together, least valuable first, for a
         budget both draw from. KV past a leaf's last checkpoint is worth nothing (no restore can
         use it) and goes first. Then checkpoints compete, each priced by the prefill FLOPs a hit
@@ -520,7 +522,10 @@ class K3RadixTree:
         unlocked leaf, the leaf's KV that dropping it lets go. So the KV of a cold path can lose
         to a hot checkpoint and the reverse (with recency: the ``alpha`` blend of
         :func:`~sglang_k3.cache.eviction.rank`). ``keep_checkpoints``: never take the checkpoint
-        count below this (a floor)."""
+        count below this (a floor). ``group``: checkpoints that only free memory together (the
+        sub-slots of one block of a unified budget) compete as one candidate and go together, so
+        freeing a block takes the cheapest block's checkpoints, not the cheapest checkpoints of
+        many blocks."""
         freed = Freed()
         got = 0
         leaves = [n for n in self._leaves() if n.lock_ref == 0]
@@ -532,23 +537,42 @@ class K3RadixTree:
             freed.extend(f)
         cands = []
         if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
-            for c in self._ckpts.values():
-                if self._ckpt_evictable(c):
-                    cands.append(Candidate(c, c.last_access, self._saved_flops(c), c.nbytes + self._kv_freed_with(c)))
+            each = [
+                Candidate([c], c.last_access, self._saved_flops(c), c.nbytes + self._kv_freed_with(c))
+                for c in self._ckpts.values()
+                if self._ckpt_evictable(c)
+            ]
+            if group is None:
+                cands = each
+            else:
+                blocked = {group(c) for c in self._ckpts.values() if not self._ckpt_evictable(c)}
+                by: dict[int, list[Candidate]] = {}
+                for cand in each:
+                    by.setdefault(group(cand.obj[0]), []).append(cand)
+                cands = [
+                    Candidate(
+                        [c.obj[0] for c in g],
+                        max(c.last_access for c in g),
+                        sum(c.saved_flops for c in g),
+                        sum(c.nbytes for c in g),
+                    )
+                    for k, g in by.items()
+                    if k not in blocked
+                ]
         for cand in rank(cands, self.policy.alpha):
             if got >= need_bytes or self.checkpoint_count() <= keep_checkpoints:
                 break
-            ck: Checkpoint = cand.obj  # type: ignore[assignment]
-            node = ck.node
-            if node is None:
-                continue
-            f = self.drop_checkpoint(ck, DropReason.EVICTED)
-            self.stats.evicted_checkpoints += 1
-            self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
-            if node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
-                f.extend(self._trim_leaf(node, self._keep_end(node)))  # the KV it kept alive
-            got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
-            freed.extend(f)
+            for ck in cand.obj:  # type: ignore[attr-defined]
+                node = ck.node
+                if node is None or self.checkpoint_count() <= keep_checkpoints:
+                    continue
+                f = self.drop_checkpoint(ck, DropReason.EVICTED)
+                self.stats.evicted_checkpoints += 1
+                self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+                if node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
+                    f.extend(self._trim_leaf(node, self._keep_end(node)))  # the KV it kept alive
+                got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
+                freed.extend(f)
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
 

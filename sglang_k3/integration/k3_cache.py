@@ -306,6 +306,7 @@ class K3RadixCache(BasePrefixCache):
                 lambda: led.free_blocks() >= want_free,
                 short * led.geom.block_bytes,
                 keep_checkpoints=self.cfg.min_checkpoints,
+                group=led.block_of_checkpoint,
             )
 
     def _evict_unified(self, params: EvictParams) -> EvictResult:
@@ -316,6 +317,7 @@ class K3RadixCache(BasePrefixCache):
                 lambda: led.kv_available() >= target,
                 params.num_tokens * led.geom.kv_token_bytes,
                 keep_checkpoints=self.cfg.min_checkpoints,
+                group=led.block_of_checkpoint,
             )
             result.num_tokens_evicted = len(freed.kv_indices)
         if params.mamba_num > 0:  # short of state slots: only free blocks within the reserve help
