@@ -17,6 +17,14 @@ prompt tokens), prefill tokens computed (prompt - cached), and k3/upstream ratio
 the two servers are compared request by request on ``multiturn`` and ``trace`` (and, as text, on
 ``gsp``). Writes ``OUT/results.json`` and ``OUT/live_ab.png``.
 
+``--pressure``: both servers get the same small byte budget (``PRESSURE_BUDGET``: SGLang's own
+sizing flags, so k3's unified budget and upstream's KV + state pools hold the same bytes), about a
+quarter of what the workloads' distinct prefixes need, and the workloads are sized up to cycle the
+cache (``PRESSURE_SIZES``, for every size flag left at its default). A third server, upstream with
+``--enable-unified-memory``, is tried and its start failure (if any) recorded. The JSON records each
+server's exact command line, the peak of running requests (``sglang:num_running_reqs``) and k3's
+memory split after each workload. Writes ``benchmarks/results/live_ab_pressure/`` by default.
+
 Exit status: 0 ok; 1 a server or workload failed; 2 every selected workload was skipped; 3 the run
 finished but greedy outputs differ
 between the caches or requests failed (see ``greedy`` / ``errors`` in the JSON).
@@ -38,6 +46,19 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "live_ab")
+PRESSURE_OUT = os.path.join(REPO, "benchmarks", "results", "live_ab_pressure")
+# The same bytes for both caches, sized by SGLang's own flags: 1,536 KV tokens + 12 state slots
+# (about 7.8 MB on the embedded model), at most 4 requests running. --enable-metrics exports the
+# running-request gauge the peak is read from.
+PRESSURE_BUDGET = "--max-total-tokens 1536 --max-mamba-cache-size 12 --max-running-requests 4 --enable-metrics"
+PRESSURE_SIZES = {
+    "mt_conversations": 16,
+    "gsp_groups": 6,
+    "gsp_prompts_per_group": 4,
+    "gsp_concurrency": 4,
+    "trace_requests": 32,
+    "trace_window": 3000,
+}
 DEFAULT_LOGS = os.path.join(REPO, "benchmarks", "results", "tmp", "live_ab_logs")
 CACHES = ("k3", "upstream")
 WORKLOADS = ("gsp", "multiturn", "trace")
@@ -72,11 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--upstream-server-args", default="", help="extra flags for the upstream server only")
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
-    g.add_argument("--out", default=DEFAULT_OUT, help="output folder for results.json and live_ab.png")
+    g.add_argument(
+        "--out",
+        default=None,
+        help="output folder for results.json and live_ab.png (default: "
+        "benchmarks/results/live_ab, or live_ab_pressure with --pressure)",
+    )
     g.add_argument("--log-dir", default=DEFAULT_LOGS, help="server and bench_serving logs (git-ignored by default)")
     g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     g.add_argument("--seed", type=int, default=1, help="seed of the synthetic prompts (same for both caches)")
     g.add_argument("--quiet", action="store_true", help="no per-request progress lines")
+    g.add_argument(
+        "--pressure",
+        action="store_true",
+        help="memory-pressure mode: both servers get the same small budget (" + PRESSURE_BUDGET + "), "
+        "workload sizes not given explicitly become "
+        + ", ".join(f"{k}={v}" for k, v in PRESSURE_SIZES.items())
+        + "; upstream with --enable-unified-memory is tried as a third server; default --out "
+        "benchmarks/results/live_ab_pressure",
+    )
 
     g = p.add_argument_group("gsp: sglang.bench_serving --dataset-name generated-shared-prefix")
     g.add_argument("--gsp-groups", type=int, default=2, help="--gsp-num-groups (distinct shared system prompts)")
@@ -122,6 +157,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if args.out is None:
+        args.out = PRESSURE_OUT if args.pressure else DEFAULT_OUT
+    if args.pressure:
+        for name, value in PRESSURE_SIZES.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or not args.workloads:
         p.error(f"--workloads: unknown {bad}; choose from {','.join(WORKLOADS)}")
@@ -292,8 +333,45 @@ def plot(records: list, path: str, title: str) -> None:
 # ----------------------------------------------------------------------------- run
 def server_args(args, cache: str) -> list:
     base = (["--model-path", args.model_path] if args.model_path else []) + shlex.split(args.extra_server_args)
+    if args.pressure:
+        base += shlex.split(PRESSURE_BUDGET)
+    if cache == "upstream-unified":
+        return [*base, "--radix-cache-backend", "upstream", "--enable-unified-memory"]
     own = shlex.split(args.k3_server_args if cache == "k3" else args.upstream_server_args)
     return [*base, "--radix-cache-backend", cache, *own]
+
+
+def try_upstream_unified(args, Server, ServerStartError, log_dir: str, say) -> dict:
+    """Start upstream with --enable-unified-memory under the same budget; on a CPU it refuses to
+    start. Returns what happened (the command, and the error lines of its log)."""
+    srv = Server(
+        "upstream-unified",
+        server_args(args, "upstream-unified"),
+        start_timeout=args.start_timeout,
+        log_dir=log_dir,
+        log_prefix="live_ab",
+    )
+    out = {"command": shlex.join(srv.command)}
+    try:
+        srv.start()
+        out["started"] = True
+        say("  upstream --enable-unified-memory started (not compared: the A/B pair is k3 vs upstream)")
+    except ServerStartError:
+        tail = srv.log_tail(200, 600)
+        lines = [ln for ln in tail.splitlines() if "Error" in ln or "refuse" in ln or "Out-of-tree" in ln]
+        out.update(started=False, error=lines[-3:] if lines else tail.splitlines()[-3:])
+        say(f"  upstream --enable-unified-memory did not start: {out['error'][-1] if out['error'] else '?'}")
+    finally:
+        srv.stop()
+    return out
+
+
+def k3_memory(url: str) -> dict:
+    """The k3 server's unified-memory split (the memory_* fields of /server_info)."""
+    import requests
+
+    st = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0].get("k3_cache", {})
+    return {k: v for k, v in st.items() if k.startswith("memory_")}
 
 
 def warm_up(srv, vocab: list) -> None:
@@ -309,6 +387,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     sys.path.insert(0, REPO)
     from benchmarks.live import workloads as wl
+    from benchmarks.live.running import RunningPeak
     from benchmarks.live.server import Server, ServerStartError
     from benchmarks.trace.mooncake import TraceError
 
@@ -349,11 +428,48 @@ def main(argv=None) -> int:
         print("nothing to run: every selected workload was skipped", file=sys.stderr)
         return 2
 
+    def run_one(w, s, c):
+        if w == "gsp":
+            return wl.run_bench_serving(
+                s.url,
+                c,
+                model_dir,
+                groups=args.gsp_groups,
+                prompts_per_group=args.gsp_prompts_per_group,
+                system_len=args.gsp_system_len,
+                question_len=args.gsp_question_len,
+                output_len=args.gsp_output_len,
+                concurrency=args.gsp_concurrency,
+                seed=args.seed,
+                log_dir=log_dir,
+                verbose=not args.quiet,
+            )
+        if w == "multiturn":
+            return wl.run_multiturn(
+                s.url,
+                c,
+                vocab,
+                conversations=args.mt_conversations,
+                turns=args.mt_turns,
+                system_len=args.mt_system_len,
+                first_len=args.mt_first_len,
+                user_len=args.mt_user_len,
+                reply_len=args.mt_reply_len,
+                seed=args.seed,
+                verbose=not args.quiet,
+            )
+        return wl.run_trace(s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency, verbose=not args.quiet)
+
+    upstream_unified = None
+    if args.pressure:
+        say("trying upstream with --enable-unified-memory under the same budget:")
+        upstream_unified = try_upstream_unified(args, Server, ServerStartError, log_dir, say)
     servers = {
         c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir, log_prefix="live_ab")
         for c in CACHES
     }
     records, outputs = [], {c: {} for c in CACHES}
+    k3_split: dict = {}
     try:
         say("starting servers (both boot at once; 20-60 s each on a CPU):")
         for c, s in servers.items():
@@ -370,39 +486,13 @@ def main(argv=None) -> int:
                 s.flush_cache()
                 say(f"[{w}] on {c} ({s.url})")
                 t0 = time.time()
-                if w == "gsp":
-                    m, out = wl.run_bench_serving(
-                        s.url,
-                        c,
-                        model_dir,
-                        groups=args.gsp_groups,
-                        prompts_per_group=args.gsp_prompts_per_group,
-                        system_len=args.gsp_system_len,
-                        question_len=args.gsp_question_len,
-                        output_len=args.gsp_output_len,
-                        concurrency=args.gsp_concurrency,
-                        seed=args.seed,
-                        log_dir=log_dir,
-                        verbose=not args.quiet,
-                    )
-                elif w == "multiturn":
-                    m, out = wl.run_multiturn(
-                        s.url,
-                        c,
-                        vocab,
-                        conversations=args.mt_conversations,
-                        turns=args.mt_turns,
-                        system_len=args.mt_system_len,
-                        first_len=args.mt_first_len,
-                        user_len=args.mt_user_len,
-                        reply_len=args.mt_reply_len,
-                        seed=args.seed,
-                        verbose=not args.quiet,
-                    )
-                else:
-                    m, out = wl.run_trace(
-                        s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency, verbose=not args.quiet
-                    )
+                peak = RunningPeak(s.url) if args.pressure else contextlib.nullcontext()
+                with peak:
+                    m, out = run_one(w, s, c)
+                if args.pressure:
+                    m["running_peak"] = peak.peak
+                if c == "k3":
+                    k3_split[w] = k3_memory(s.url)
                 if not s.alive():
                     raise RuntimeError(f"server {c} died during {w}:\n{s.log_tail()}")
                 records.append({"workload": w, "cache": c, "order": order.index(c), **m})
@@ -452,6 +542,22 @@ def main(argv=None) -> int:
             "order": "one server at a time; the first cache alternates per workload (record field 'order')",
         },
         "skipped": skipped,
+        "server_commands": {c: shlex.join(servers[c].command) for c in CACHES},
+        "pressure": None
+        if not args.pressure
+        else {
+            "budget_flags": PRESSURE_BUDGET,
+            "budget_bytes": next((v.get("memory_budget_bytes") for v in k3_split.values()), None),
+            "sizes": PRESSURE_SIZES,
+            "upstream_unified_memory": upstream_unified,
+            "k3_memory_after_each_workload": k3_split,
+            "target": "k3 prefill tokens <= 0.7 x upstream's on multiturn and trace",
+            "target_met": {
+                r["workload"]: (r["prefill_tokens"] is not None and r["prefill_tokens"] <= 0.7)
+                for r in ratios
+                if r["workload"] in ("multiturn", "trace")
+            },
+        },
         "records": records,
         "ratios": ratios,
         "greedy": greedy,
@@ -462,10 +568,16 @@ def main(argv=None) -> int:
         plot(
             records,
             os.path.join(args.out, "live_ab.png"),
-            f"live A/B, k3 vs upstream cache ({os.path.basename(model_dir.rstrip('/'))}, "
+            f"live A/B{' under memory pressure' if args.pressure else ''}, k3 vs upstream cache "
+            f"({os.path.basename(model_dir.rstrip('/'))}, "
             f"{result['machine'].get('cpus_usable', '?')} CPUs, {time.strftime('%Y-%m-%d')})",
         )
     print_table(records, ratios, greedy)
+    if args.pressure:
+        print(f"running-request peaks: { {(r['workload'], r['cache']): r.get('running_peak') for r in records} }")
+        print(f"target (k3 prefill <= 0.7 x upstream): {result['pressure']['target_met']}")
+        if upstream_unified and not upstream_unified.get("started"):
+            print(f"upstream --enable-unified-memory: did not start: {upstream_unified.get('error')}")
     print(f"\nwrote {os.path.join(args.out, 'results.json')} and live_ab.png in {runtime:.0f}s", flush=True)
     bad = [w for w in ("multiturn", "trace") if w in greedy and (greedy[w]["mismatches"] or greedy[w]["missing"])]
     errs = sum(r["errors"] for r in records)

@@ -217,3 +217,42 @@ def test_live_ab_end_to_end(tmp_path):
     # turns extend the previous turn, so the multi-turn workload must hit; k3 at least as much as upstream
     assert by[("multiturn", "k3")]["hit_rate"] > 0
     assert by[("multiturn", "k3")]["hit_rate"] >= by[("multiturn", "upstream")]["hit_rate"]
+
+
+def test_pressure_mode_sizes_and_output_folder():
+    a = live_ab.parse_args(["--pressure"])
+    assert a.out == live_ab.PRESSURE_OUT
+    for name, value in live_ab.PRESSURE_SIZES.items():
+        assert getattr(a, name) == value
+    b = live_ab.parse_args(["--pressure", "--mt-conversations", "5", "--out", "x"])
+    assert b.mt_conversations == 5 and b.out == "x"  # explicit sizes win
+    assert live_ab.parse_args([]).out == live_ab.DEFAULT_OUT
+    sa = live_ab.server_args(a, "upstream")
+    assert " ".join(sa).count("--max-total-tokens 1536") == 1 and "--enable-metrics" in sa
+
+
+def test_pressure_end_to_end(tmp_path):
+    """Both servers under the same small budget; upstream's --enable-unified-memory is tried and
+    its refusal recorded; the JSON has each server's command, the running-request peaks and k3's
+    memory split."""
+    out = tmp_path / "out"
+    args = ["--pressure", "--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]
+    args += ["--workloads", "multiturn", "--mt-conversations", "3", "--mt-turns", "2"]
+    args += ["--k3-server-args", "--k3-checkpoint-dtype fp32"]  # the bit-exact oracle
+    r = _run(args, 900)
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    res = json.loads((out / "results.json").read_text())
+    p = res["pressure"]
+    assert p["budget_flags"] == live_ab.PRESSURE_BUDGET and p["budget_bytes"] > 0
+    uu = p["upstream_unified_memory"]
+    assert "--enable-unified-memory" in uu["command"]
+    if not uu["started"]:  # on a CPU: SGLang refuses out-of-tree platforms
+        assert any("unified memory pool" in ln or "Out-of-tree" in ln for ln in uu["error"]), uu
+    for c in ("k3", "upstream"):
+        assert "--max-total-tokens 1536" in res["server_commands"][c]
+    for rec in res["records"]:
+        assert rec["running_peak"] is not None and 1 <= rec["running_peak"] <= 4
+    split = p["k3_memory_after_each_workload"]["multiturn"]
+    assert split["memory_budget_bytes"] == p["budget_bytes"]
+    assert split["memory_kv_bytes"] + split["memory_checkpoint_bytes"] > 0
+    assert res["greedy"]["multiturn"]["mismatches"] == 0

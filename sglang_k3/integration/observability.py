@@ -56,6 +56,16 @@ GAUGES: dict[str, str] = {
     "export_stash_last_bytes": "Bytes of rows the most recent extend that kept any kept (0 held once stored).",
     "export_full_peak_bytes": "Peak bytes of one extend's full exported states and pre-conv rows (not held).",
     "tracked_requests": "Requests the cache keeps match-time data for (admitted, not yet released).",
+    "memory_budget_bytes": "Unified memory: the one budget for MLA KV, active states and checkpoints.",
+    "memory_kv_bytes": "Unified memory: bytes of blocks holding MLA KV.",
+    "memory_kv_used_bytes": "Unified memory: bytes of live KV tokens in those blocks.",
+    "memory_active_bytes": "Unified memory: bytes of blocks holding running requests' states.",
+    "memory_checkpoint_bytes": "Unified memory: bytes of blocks holding checkpoints.",
+    "memory_free_bytes": "Unified memory: bytes of free blocks.",
+    "memory_reserved_bytes": "Unified memory: the padding block.",
+    "memory_largest_free_run_bytes": "Unified memory: the longest run of free blocks, in bytes.",
+    "memory_peak_kv_bytes": "Unified memory: peak of memory_kv_bytes.",
+    "memory_peak_checkpoint_bytes": "Unified memory: peak of memory_checkpoint_bytes.",
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
@@ -73,6 +83,9 @@ COUNTERS: dict[str, str] = {
     "export_ahead_unclaimed": "Of those, released unclaimed (the cache already had a checkpoint there).",
     "store_flushes": "Scheduler steps whose quantized checkpoint stores ran together (one launch each).",
     "stores_flushed": "Quantized checkpoints of running/finishing requests stored by those launches.",
+    "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
+    "memory_blocks_to_active": "Unified memory: blocks active states took over.",
+    "memory_blocks_to_checkpoints": "Unified memory: blocks checkpoints took over.",
 }
 
 

@@ -12,6 +12,11 @@ the lifecycle's :class:`~sglang_k3.cache.lifecycle.CheckpointStore` interface.
   SGLang's own deferred copy only knows same-pool copies). A restored state continues in full
   precision and is never requantized.
 
+Under unified memory (the default) every dtype uses :class:`QuantizedStore` (fp32 as a bit-exact
+copy), its pool a set of views into the unified buffer whose handles the budget's ledger hands
+out (:class:`UnifiedPlacement`); :class:`NativeSlotStore` serves ``--k3-no-unified-memory`` with
+fp32 checkpoints.
+
 Neither touches SGLang's request objects: ``restore`` returns what SGLang's own copy mechanism
 should read, and the cache writes the request.
 """
