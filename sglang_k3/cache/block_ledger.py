@@ -158,6 +158,8 @@ class BlockLedger:
         self._kv_free: dict[int, list[int]] = {}  # KV block -> free token offsets (a stack)
         self._kv_used: dict[int, bytearray] = {}  # KV block -> 1 where the token is allocated
         self._kv_free_total = 0
+        self._kv_partial: set[int] = set()  # KV blocks with at least one free token
+        self._ck_partial: set[int] = set()  # checkpoint blocks with at least one free sub-slot
         self._ck_free: dict[int, set[int]] = {}  # checkpoint block -> free sub-slots
         self._active: set[int] = set()
         self._ckpt_live = 0
@@ -229,11 +231,11 @@ class BlockLedger:
             return None
         per = self.geom.kv_per_block
         out: list[int] = []
-        for b in sorted(self._kv_free, key=lambda b: (len(self._kv_free[b]), b)):  # best fit
+        for b in sorted(self._kv_partial, key=lambda b: (len(self._kv_free[b]), b)):  # best fit
             free, used = self._kv_free[b], self._kv_used[b]
             take = min(len(free), n - len(out))
-            if take == 0:
-                continue
+            if take == len(free):
+                self._kv_partial.discard(b)
             offs = free[len(free) - take :]
             del free[len(free) - take :]
             for off in offs:
@@ -251,6 +253,8 @@ class BlockLedger:
             self._kv_used[b] = bytearray(take) + bytearray(per - take)
             self._kv_used[b][:take] = b"\x01" * take
             self._kv_free_total += per - take
+            if take < per:
+                self._kv_partial.add(b)
         return out
 
     def kv_free(self, indices: Iterable[int]) -> None:
@@ -263,11 +267,13 @@ class BlockLedger:
                 raise LedgerError(f"KV token {t} is not allocated (block {b} is {self.kind[b].name})")
             used[off] = 0
             self._kv_free[b].append(off)
+            self._kv_partial.add(b)
             self._kv_free_total += 1
             touched.add(b)
         for b in touched:
             if len(self._kv_free[b]) == per:
                 del self._kv_free[b], self._kv_used[b]
+                self._kv_partial.discard(b)
                 self._kv_free_total -= per
                 self._give_back(b)
 
@@ -301,22 +307,24 @@ class BlockLedger:
         """Whether :meth:`ckpt_alloc` would succeed now."""
         if self.ckpt_at_cap():
             return False
-        return any(self._ck_free.values()) or self._ckpt_may_take_block()
+        return bool(self._ck_partial) or self._ckpt_may_take_block()
 
     def ckpt_alloc(self) -> Optional[int]:
         if not self.ckpt_has_room():
             return None
         m = self.geom.ckpt_per_block
-        part = [b for b, s in self._ck_free.items() if s]
-        if part:
-            b = min(part, key=lambda b: (len(self._ck_free[b]), -b))
+        if self._ck_partial:
+            b = min(self._ck_partial, key=lambda b: (len(self._ck_free[b]), -b))
         else:
             b = self._take_block(Kind.CKPT)
             assert b is not None
             self._ck_free[b] = set(range(m))
+            self._ck_partial.add(b)
         free = self._ck_free[b]
         sub = min(free)
         free.remove(sub)
+        if not free:
+            self._ck_partial.discard(b)
         self._ckpt_live += 1
         return b * m + sub
 
@@ -327,16 +335,18 @@ class BlockLedger:
         if free is None or sub in free:
             raise LedgerError(f"checkpoint {h} is not allocated (block {b} is {self.kind[b].name})")
         free.add(sub)
+        self._ck_partial.add(b)
         self._ckpt_live -= 1
         if len(free) == m:
             del self._ck_free[b]
+            self._ck_partial.discard(b)
             self._give_back(b)
 
     def ckpt_free_count(self) -> int:
         """Checkpoints allocatable now without evicting anything."""
         if self.ckpt_at_cap():
             return 0
-        part = sum(len(s) for s in self._ck_free.values())
+        part = sum(len(self._ck_free[b]) for b in self._ck_partial)
         more = self.geom.ckpt_per_block * len(self._free) if self._ckpt_may_take_block() else 0
         n = part + more
         return min(n, self.max_checkpoints - self.ckpt_count()) if self.max_checkpoints else n
@@ -393,9 +403,13 @@ class BlockLedger:
             total += len(s)
         if total != self._kv_free_total:
             raise LedgerError("KV free-token count is off")
+        if self._kv_partial != {b for b, f in self._kv_free.items() if f}:
+            raise LedgerError("the set of partly free KV blocks is off")
         m = self.geom.ckpt_per_block
         for b, s in self._ck_free.items():
             if len(s) >= m:
                 raise LedgerError(f"checkpoint block {b} is empty but not free")
         if self._ckpt_live != sum(m - len(s) for s in self._ck_free.values()):
             raise LedgerError("live checkpoint count is off")
+        if self._ck_partial != {b for b, f in self._ck_free.items() if f}:
+            raise LedgerError("the set of partly free checkpoint blocks is off")
