@@ -78,8 +78,12 @@ def run(dtype: str, budget: int) -> dict:
     temporal[:, s_idx] = torch.randn(L, N, H, V, K, generator=g, device=dev)
     conv[:, s_idx] = torch.randn(L, N, *CONV, generator=g, device=dev).to(torch.bfloat16)
     pool = CheckpointPool.from_active(
-        temporal, conv, num_slots=geom.num_blocks * geom.ckpt_per_block, dtype=dtype,
-        buffers=buf.checkpoint_views(ck), slots=LedgerSlots(led),
+        temporal,
+        conv,
+        num_slots=geom.num_blocks * geom.ckpt_per_block,
+        dtype=dtype,
+        buffers=buf.checkpoint_views(ck),
+        slots=LedgerSlots(led),
     )
     handles = pool.alloc(N)
     owned = set(src + dst) | {h // geom.ckpt_per_block for h in handles}
@@ -97,8 +101,11 @@ def run(dtype: str, budget: int) -> dict:
     # the torch reference on contiguous CPU tensors
     tc, cc = temporal[:, s_idx].cpu(), conv[:, s_idx].cpu()
     ref = CheckpointPool.from_active(
-        torch.zeros(L, 2 * N, H, V, K), torch.zeros(L, 2 * N, *CONV, dtype=torch.bfloat16), num_slots=N,
-        dtype=dtype, use_triton=False,
+        torch.zeros(L, 2 * N, H, V, K),
+        torch.zeros(L, 2 * N, *CONV, dtype=torch.bfloat16),
+        num_slots=N,
+        dtype=dtype,
+        use_triton=False,
     )
     ref.active_temporal[:, :N], ref.active_conv[:, :N] = tc, cc
     rh = ref.alloc(N)

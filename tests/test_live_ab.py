@@ -246,8 +246,9 @@ def test_pressure_end_to_end(tmp_path):
     assert p["budget_flags"] == live_ab.PRESSURE_BUDGET and p["budget_bytes"] > 0
     uu = p["upstream_unified_memory"]
     assert "--enable-unified-memory" in uu["command"]
-    if not uu["started"]:  # on a CPU: SGLang refuses out-of-tree platforms
-        assert any("unified memory pool" in ln or "Out-of-tree" in ln for ln in uu["error"]), uu
+    if not uu["started"]:  # on a CPU SGLang refuses it: the page-major KV layout it turns on has no
+        # CPU attention backend, and the unified pool path rejects out-of-tree platforms
+        assert any(w in ln for ln in uu["error"] for w in ("page-major", "Out-of-tree", "unified")), uu
     for c in ("k3", "upstream"):
         assert "--max-total-tokens 1536" in res["server_commands"][c]
     for rec in res["records"]:

@@ -217,9 +217,16 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         return None
     ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
     g = ledger.geom
-    buf = UnifiedBuffer(g, device=kv_pool.kv_buffer[0].device)
-    dim = kv_pool.kv_buffer[0].shape[-1]
-    kv_pool.kv_buffer = buf.kv_layer_views(len(kv_pool.kv_buffer), dim, kv_pool.kv_buffer[0].dtype)
+    n_layers, dim = len(kv_pool.kv_buffer), kv_pool.kv_buffer[0].shape[-1]
+    kv_dtype, device = kv_pool.kv_buffer[0].dtype, kv_pool.kv_buffer[0].device
+    # Drop SGLang's tensors before the buffer that replaces them exists: on a GPU the budget is
+    # most of the device, and holding both would not fit.
+    kv_pool.kv_buffer = []
+    mamba_pool.mamba_cache = dataclasses.replace(mamba_pool.mamba_cache, temporal=torch.empty(0), conv=[])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    buf = UnifiedBuffer(g, device=device)
+    kv_pool.kv_buffer = buf.kv_layer_views(n_layers, dim, kv_dtype)
     kv_pool.size = g.num_blocks * g.kv_per_block - kv_pool.page_size
     token_to_kv_pool.size = kv_pool.size
     if hasattr(kv_pool, "data_ptrs"):
