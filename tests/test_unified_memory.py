@@ -109,6 +109,8 @@ def test_a_state_slot_shortage_evicts_checkpoints_and_the_leak_equations_hold():
     got = rtp.mamba_allocator.alloc(1)  # the slot allocator evicts by value until a block frees
     assert got is not None and led.ckpt_count() < before
     assert led.ckpt_count() >= before - 2 * led.geom.ckpt_per_block  # about one block's worth, not all
+    evicted = (before - led.ckpt_count()) * cache.store.slot_bytes
+    assert led.counters.reclaims == 1 and led.counters.reclaim_evicted_bytes >= evicted
     # SGLang's idle equations (invariant_checker._check_all_pools), with the slot given back
     rtp.mamba_allocator.free(got)
     assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == alloc.size

@@ -186,7 +186,8 @@ class K3Policy(Policy):
         if led is None or led.ckpt_at_cap():
             self.lifecycle.evict(num_bytes=nbytes)
         else:
-            self.lifecycle.evict_until(led.ckpt_has_room, led.geom.block_bytes)
+            f = self.lifecycle.evict_until(led.ckpt_has_room, led.geom.block_bytes)
+            led.note_reclaim(f.checkpoint_bytes, len(f.kv_indices))
 
     def _free_kv(self, indices: list[int]) -> None:
         if self.ledger is not None:
@@ -204,9 +205,10 @@ class K3Policy(Policy):
         led = self.ledger
         got = led.kv_alloc(n)
         if got is None:
-            self.lifecycle.evict_until(
+            f = self.lifecycle.evict_until(
                 lambda: led.kv_available() >= n, n * led.geom.kv_token_bytes, group=led.block_of_checkpoint
             )
+            led.note_reclaim(f.checkpoint_bytes, len(f.kv_indices))
             got = led.kv_alloc(n)
         if got is None:
             self.kv_alloc_failures += 1
@@ -342,6 +344,8 @@ class K3Policy(Policy):
                 "blocks_to_checkpoints": c.blocks_to_ckpt,
                 "peak_kv_bytes": c.peak_kv_blocks * g.block_bytes,
                 "peak_checkpoint_bytes": c.peak_ckpt_blocks * g.block_bytes,
+                "reclaims": c.reclaims,
+                "reclaim_evicted_bytes": c.reclaim_evicted_bytes,
             }
         return out
 

@@ -130,6 +130,8 @@ class LedgerCounters:
     peak_kv_blocks: int = 0
     peak_ckpt_blocks: int = 0
     peak_active_blocks: int = 0
+    reclaims: int = 0  # shortages met by evicting (evict_until calls that evicted something)
+    reclaim_evicted_bytes: int = 0  # bytes those evictions freed (KV + checkpoints)
 
 
 class BlockLedger:
@@ -149,6 +151,12 @@ class BlockLedger:
         self.clear()
 
     # ------------------------------------------------------------------ state
+    def note_reclaim(self, checkpoint_bytes: int, kv_entries: int) -> None:
+        """Count what one shortage cost in evictions (called by whoever ran the eviction)."""
+        if checkpoint_bytes or kv_entries:
+            self.counters.reclaims += 1
+            self.counters.reclaim_evicted_bytes += checkpoint_bytes + kv_entries * self.geom.kv_token_bytes
+
     def clear(self) -> None:
         """Everything free (a flush): the allocators above are cleared with it."""
         g = self.geom

@@ -291,23 +291,27 @@ class K3RadixCache(BasePrefixCache):
 
     # -- unified memory: every kind's shortage is met by evicting the least valuable KV and
     # checkpoints together (CacheLifecycle.evict_until), until the ledger has what was asked
+    def _reclaim(self, freed) -> None:
+        self.ledger.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
+
     def _evict_for_checkpoint(self, nbytes: int) -> None:
         if self.unified is None or self.ledger.ckpt_at_cap():
             self.lifecycle.evict(num_bytes=nbytes)  # a pool of their own, or at --k3-max-checkpoints
             return
-        self.lifecycle.evict_until(self.ledger.ckpt_has_room, self.ledger.geom.block_bytes)
+        self._reclaim(self.lifecycle.evict_until(self.ledger.ckpt_has_room, self.ledger.geom.block_bytes))
 
     def _evict_for_active(self, want_free: int) -> None:
         """Until ``want_free`` blocks are free (state slots for requests about to run)."""
         led = self.ledger
         short = want_free - led.free_blocks()
         if short > 0:
-            self.lifecycle.evict_until(
+            freed = self.lifecycle.evict_until(
                 lambda: led.free_blocks() >= want_free,
                 short * led.geom.block_bytes,
                 keep_checkpoints=self.cfg.min_checkpoints,
                 group=led.block_of_checkpoint,
             )
+            self._reclaim(freed)
 
     def _evict_unified(self, params: EvictParams) -> EvictResult:
         led, result = self.ledger, EvictResult()
@@ -319,6 +323,7 @@ class K3RadixCache(BasePrefixCache):
                 keep_checkpoints=self.cfg.min_checkpoints,
                 group=led.block_of_checkpoint,
             )
+            self._reclaim(freed)
             result.num_tokens_evicted = len(freed.kv_indices)
         if params.mamba_num > 0:  # short of state slots: only free blocks within the reserve help
             before = led.free_blocks()
@@ -411,6 +416,8 @@ class K3RadixCache(BasePrefixCache):
             "memory_blocks_to_checkpoints": c.blocks_to_ckpt,
             "memory_peak_kv_bytes": c.peak_kv_blocks * led.geom.block_bytes,
             "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
+            "memory_reclaims": c.reclaims,
+            "memory_reclaim_evicted_bytes": c.reclaim_evicted_bytes,
         }
 
     def pretty_print(self) -> None:
@@ -431,6 +438,8 @@ MEMORY_FIELDS = (
     "memory_blocks_to_checkpoints",
     "memory_peak_kv_bytes",
     "memory_peak_checkpoint_bytes",
+    "memory_reclaims",
+    "memory_reclaim_evicted_bytes",
 )
 
 

@@ -86,6 +86,8 @@ COUNTERS: dict[str, str] = {
     "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
     "memory_blocks_to_active": "Unified memory: blocks active states took over.",
     "memory_blocks_to_checkpoints": "Unified memory: blocks checkpoints took over.",
+    "memory_reclaims": "Unified memory: shortages met by evicting KV and checkpoints.",
+    "memory_reclaim_evicted_bytes": "Unified memory: bytes those evictions freed (fragmentation shows here).",
 }
 
 
