@@ -133,9 +133,10 @@ def test_a_kv_shortage_evicts_checkpoints_into_kv_blocks():
     node = _fill_with_checkpoints(cache, alloc)
     cache.tree.inc_lock_ref(node)  # a running request holds the path's KV: only checkpoints can go
     ckpt_blocks = led.bytes_by_kind()["checkpoint_bytes"]
-    want = alloc.available_size() + led.geom.kv_per_block
-    cache.evict(EvictParams(num_tokens=want - alloc.available_size()))
-    assert alloc.available_size() >= want
+    want = led.kv_available() + led.geom.kv_per_block
+    assert alloc.available_size() >= want  # SGLang is told eviction can make this room
+    cache.evict(EvictParams(num_tokens=want - led.kv_available()))
+    assert led.kv_available() >= want
     assert led.bytes_by_kind()["checkpoint_bytes"] < ckpt_blocks
     assert cache.tree.total_size() == 200  # the locked KV stayed
 
@@ -150,3 +151,21 @@ def test_budgets_and_floors_that_cannot_work_are_refused_with_the_sizes():
     # SGLang sized 8 KV tokens and one state slot: not even one state slot and one KV block
     with pytest.raises(UnifiedConfigError, match=r"holds 2 blocks .* needs 3 \(the padding block: 1, 1 active KDA"):
         unified_k3_cache_on_cpu(K3Config(), kv_tokens=8, mamba_size=1)
+
+
+def test_a_budget_full_of_checkpoints_still_admits_kv():
+    """SGLang admits a prefill only if the KV allocator's available size (plus the tree's
+    evictable KV) covers it: checkpoint blocks that eviction would free count as available, and
+    allocating them evicts the checkpoints, so a budget full of checkpoints never looks full."""
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    led = cache.ledger
+    node = _fill_with_checkpoints(cache, alloc)
+    cache.tree.inc_lock_ref(node)  # its KV is in use: only checkpoints can make room
+    assert led.kv_available() < led.geom.kv_per_block  # the ledger alone: no room for a block of KV
+    want = alloc.available_size()
+    assert want >= led.geom.kv_per_block  # but SGLang is told what eviction would give
+    got = alloc.alloc(want)
+    assert got is not None and len(got) == want
+    assert alloc.available_size() == 0
+    alloc.free(got)
+    assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == alloc.size

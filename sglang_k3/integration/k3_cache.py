@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
+from sglang_k3.cache.block_ledger import Kind
 from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.lifecycle import build_lifecycle
 from sglang_k3.config import K3Config
@@ -90,6 +91,9 @@ class K3RadixCache(BasePrefixCache):
             self.ledger = self.unified.ledger
             placement = UnifiedPlacement(checkpoint_buffers(self.unified), LedgerSlots(self.ledger))
             self.req_to_token_pool.mamba_allocator.evict_blocks = self._evict_for_active
+            kv_alloc = self.token_to_kv_pool_allocator
+            kv_alloc.reclaimable_blocks = self._reclaimable_checkpoint_blocks
+            kv_alloc.evict_for_kv = self._evict_checkpoints_for_kv
         self.store = make_store(
             cfg.checkpoint_dtype,
             self.slots,
@@ -312,6 +316,28 @@ class K3RadixCache(BasePrefixCache):
                 group=led.block_of_checkpoint,
             )
             self._reclaim(freed)
+
+    def _reclaimable_checkpoint_blocks(self) -> int:
+        """Blocks that evicting every evictable checkpoint (above the floor) would surely free: a
+        block keeps out only while it holds a checkpoint that cannot go."""
+        led = self.ledger
+        held = self.tree.checkpoint_count()
+        stuck = held - self.tree.evictable_checkpoint_bytes() // max(1, self.store.slot_bytes)
+        stuck = max(stuck, min(held, self.cfg.min_checkpoints))
+        return max(0, led.blocks_of(Kind.CKPT) - stuck)
+
+    def _evict_checkpoints_for_kv(self, n: int) -> None:
+        """The KV allocator found fewer than ``n`` tokens: evict (checkpoints of whole blocks first
+        when that is what frees blocks) until it has them."""
+        led = self.ledger
+        self._reclaim(
+            self.lifecycle.evict_until(
+                lambda: led.kv_available() >= n,
+                n * led.geom.kv_token_bytes,
+                keep_checkpoints=self.cfg.min_checkpoints,
+                group=led.block_of_checkpoint,
+            )
+        )
 
     def _evict_unified(self, params: EvictParams) -> EvictResult:
         led, result = self.ledger, EvictResult()

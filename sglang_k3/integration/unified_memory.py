@@ -77,16 +77,32 @@ def unified_of(req_to_token_pool) -> Optional[UnifiedMemory]:
 
 
 class UnifiedKVAllocator(TokenToKVPoolAllocator):
-    """SGLang's page-1 KV allocator, drawing tokens from the unified budget's KV blocks."""
+    """SGLang's page-1 KV allocator, drawing tokens from the unified budget's KV blocks.
+
+    Its capacity counts the blocks evicting checkpoints would free (``reclaimable_blocks``, set by
+    the k3 cache), and ``alloc`` evicts them when it must: SGLang admits a prefill only if
+    ``available_size()`` plus the tree's evictable KV covers it, and knows nothing of checkpoints,
+    so a budget full of checkpoints would otherwise look full to it forever."""
 
     def __init__(self, ledger: BlockLedger, dtype: torch.dtype, device, kvcache) -> None:
         self.ledger = ledger
+        self.reclaimable_blocks: Callable[[], int] = lambda: 0  # set by the k3 cache
+        self.evict_for_kv: Optional[Callable[[int], None]] = None  # set by the k3 cache
         # the base sets page_size, dtype, device, the KV cache and the free-group state
         super(TokenToKVPoolAllocator, self).__init__(0, 1, dtype, device, kvcache, False)
 
+    def _extra(self) -> int:
+        """KV tokens that evicting checkpoints would make allocatable (beyond the reserve)."""
+        led = self.ledger
+        if not led.ckpt_count():
+            return 0
+        free, held_back = led.free_blocks(), led.reserve_left()
+        later = max(0, free + self.reclaimable_blocks() - held_back)
+        return (later - max(0, free - held_back)) * led.geom.kv_per_block
+
     @property
     def size(self) -> int:
-        return self.ledger.kv_capacity()
+        return self.ledger.kv_capacity() + self._extra()
 
     @size.setter
     def size(self, _value: int) -> None:
@@ -97,10 +113,13 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
         self.free_group = None
 
     def available_size(self) -> int:
-        return self.ledger.kv_available()
+        return self.ledger.kv_available() + self._extra()
 
     def alloc(self, need_size: int):
         got = self.ledger.kv_alloc(need_size)
+        if got is None and self.evict_for_kv is not None and need_size <= self.available_size():
+            self.evict_for_kv(need_size)  # checkpoints go, by value, until their blocks are free
+            got = self.ledger.kv_alloc(need_size)
         if got is None:
             return None
         return torch.tensor(got, dtype=torch.int64, device=self.device)
