@@ -342,7 +342,9 @@ class K3RadixCache(BasePrefixCache):
     def _evict_unified(self, params: EvictParams) -> EvictResult:
         led, result = self.ledger, EvictResult()
         if params.num_tokens > 0:
-            target = led.kv_available() + params.num_tokens
+            # SGLang asks for its shortfall against the allocator's available size, which already
+            # counts what evicting checkpoints would free: make all of it real in the ledger
+            target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
             freed = self.lifecycle.evict_until(
                 lambda: led.kv_available() >= target,
                 params.num_tokens * led.geom.kv_token_bytes,
