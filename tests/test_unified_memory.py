@@ -169,3 +169,18 @@ def test_a_budget_full_of_checkpoints_still_admits_kv():
     assert alloc.available_size() == 0
     alloc.free(got)
     assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == alloc.size
+
+
+def test_sglangs_eviction_then_allocation_succeeds_when_available_counts_checkpoints():
+    """SGLang's path for a prefill of ``n`` tokens: shortfall = n - available_size() (which
+    counts reclaimable checkpoint blocks), evict(num_tokens=shortfall), then alloc(n): alloc
+    must then succeed, or SGLang raises out of memory with the request already admitted."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    _fill_with_checkpoints(cache, alloc)  # an unlocked path: its KV is evictable too
+    n = alloc.available_size() + cache.evictable_size() // 2
+    assert n > cache.ledger.kv_available()
+    cache.evict(EvictParams(num_tokens=n - alloc.available_size()))
+    got = alloc.alloc(n)
+    assert got is not None and len(got) == n
