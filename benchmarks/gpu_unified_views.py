@@ -26,7 +26,7 @@ import statistics
 import torch
 
 from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
-from sglang_k3.state.checkpoint_pool import CheckpointPool
+from sglang_k3.state.checkpoint_pool import CheckpointPool, parse_checkpoint_dtype
 from sglang_k3.state.checkpoint_store import LedgerSlots
 from sglang_k3.state.unified_buffer import CheckpointLayout, StateLayout, UnifiedBuffer
 
@@ -60,8 +60,7 @@ def _time(fn, reps=20, setup=None) -> float:
 def run(dtype: str, budget: int) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     state = StateLayout(temporal=(L, H, V, K), temporal_dtype=torch.float32, conv=(L, *CONV), conv_dtype=torch.bfloat16)
-    tdt = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    ck = CheckpointLayout.of_state(state, tdt)
+    ck = CheckpointLayout.of_state(state, parse_checkpoint_dtype(dtype))
     geom = plan_geometry(budget, kv_token_bytes=KV_LAYERS * KV_DIM * 2, active_bytes=state.nbytes, ckpt_bytes=ck.nbytes)
     led = BlockLedger(geom, active_reserve=2 * N)
     buf = UnifiedBuffer(geom, device=dev)

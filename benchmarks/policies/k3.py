@@ -45,6 +45,7 @@ from benchmarks.policies.base import Admission, Policy, ScaledCost, SimConfig
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
 from sglang_k3.cache.lifecycle import build_lifecycle
+from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
 
 
@@ -174,6 +175,11 @@ class K3Policy(Policy):
         )
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
         self.lifecycle = build_lifecycle(self.k3, self.store, ev, self._free_kv, unit=cfg.unit)
+        self.evictor = (
+            None
+            if self.ledger is None
+            else UnifiedEviction(self.lifecycle, self.ledger, keep_checkpoints=self.k3.min_checkpoints)
+        )
         self.tree = self.lifecycle.tree
         self.pool_bytes = 0 if capacity is None else capacity * slot_bytes
         self._kv_next = 0
@@ -182,12 +188,10 @@ class K3Policy(Policy):
 
     # ------------------------------------------------------------------ memory
     def _evict_for_checkpoint(self, nbytes: int) -> None:
-        led = self.ledger
-        if led is None or led.ckpt_at_cap():
+        if self.evictor is None:
             self.lifecycle.evict(num_bytes=nbytes)
         else:
-            f = self.lifecycle.evict_until(led.ckpt_has_room, led.geom.block_bytes)
-            led.note_reclaim(f.checkpoint_bytes, len(f.kv_indices))
+            self.evictor.for_checkpoint(nbytes)
 
     def _free_kv(self, indices: list[int]) -> None:
         if self.ledger is not None:
@@ -205,10 +209,7 @@ class K3Policy(Policy):
         led = self.ledger
         got = led.kv_alloc(n)
         if got is None:
-            f = self.lifecycle.evict_until(
-                lambda: led.kv_available() >= n, n * led.geom.kv_token_bytes, group=led.block_of_checkpoint
-            )
-            led.note_reclaim(f.checkpoint_bytes, len(f.kv_indices))
+            self.evictor.for_kv(n, n)
             got = led.kv_alloc(n)
         if got is None:
             self.kv_alloc_failures += 1

@@ -480,12 +480,7 @@ class K3RadixTree:
         freed = Freed()
         while len(freed.kv_indices) < need:
             leaves = [n for n in self._leaves() if n.lock_ref == 0]
-            dead = sorted((n for n in leaves if self._keep_end(n) < n.end), key=lambda n: n.last_access)
-            if dead:  # KV past the last checkpoint cannot serve a restore: it goes first
-                for leaf in dead:
-                    if len(freed.kv_indices) >= need:
-                        break
-                    freed.extend(self._trim_leaf(leaf, self._keep_end(leaf)))
+            if self._trim_dead_tails(leaves, freed, lambda: len(freed.kv_indices) >= need):
                 continue
             whole = [n for n in leaves if all(self._ckpt_evictable(c) for c in n.checkpoints.values())]
             if not whole:
@@ -527,14 +522,9 @@ class K3RadixTree:
         freeing a block takes the cheapest block's checkpoints, not the cheapest checkpoints of
         many blocks."""
         freed = Freed()
-        got = 0
         leaves = [n for n in self._leaves() if n.lock_ref == 0]
-        for leaf in sorted((n for n in leaves if self._keep_end(n) < n.end), key=lambda n: n.last_access):
-            if got >= need_bytes:
-                break
-            f = self._trim_leaf(leaf, self._keep_end(leaf))
-            got += self.policy.kv_bytes(len(f.kv_indices))
-            freed.extend(f)
+        self._trim_dead_tails(leaves, freed, lambda: self.policy.kv_bytes(len(freed.kv_indices)) >= need_bytes)
+        got = self.policy.kv_bytes(len(freed.kv_indices))
         cands = []
         if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
             each = [
@@ -584,6 +574,16 @@ class K3RadixTree:
             return 0
         lower = [p for p in n.checkpoints if p < ck.pos]
         return self.policy.kv_bytes(ck.pos - (max(lower) if lower else n.start))
+
+    def _trim_dead_tails(self, leaves: list[Node], freed: Freed, enough: Callable[[], bool]) -> bool:
+        """KV past a leaf's last checkpoint cannot serve a restore: trim it, least recently used
+        leaf first, into ``freed`` until ``enough()``. Returns whether any leaf had such KV."""
+        dead = sorted((n for n in leaves if self._keep_end(n) < n.end), key=lambda n: n.last_access)
+        for leaf in dead:
+            if enough():
+                break
+            freed.extend(self._trim_leaf(leaf, self._keep_end(leaf)))
+        return bool(dead)
 
     def _trim_leaf(self, leaf: Node, keep_end: int) -> Freed:
         """Free the leaf's KV past ``keep_end`` (a page multiple); removes the leaf at its start."""

@@ -57,6 +57,7 @@ from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.block_ledger import Kind
 from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.lifecycle import build_lifecycle
+from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
 from sglang_k3.integration.unified_memory import checkpoint_buffers, unified_of
 from sglang_k3.state.active_slots import SlotPool
@@ -103,6 +104,8 @@ class K3RadixCache(BasePrefixCache):
             placement,
         )
         self.lifecycle = build_lifecycle(cfg, self.store, _eviction_policy(hf_config), self._free_kv)
+        if self.unified is not None:
+            self.evictor = UnifiedEviction(self.lifecycle, self.ledger, keep_checkpoints=cfg.min_checkpoints)
         self.tree = self.lifecycle.tree
         self.placement = self.lifecycle.placement
         self.root_node = self.tree.root
@@ -294,28 +297,15 @@ class K3RadixCache(BasePrefixCache):
         return len(self.lifecycle.evict(num_bytes=n * self.store.slot_bytes).handles)
 
     # -- unified memory: every kind's shortage is met by evicting the least valuable KV and
-    # checkpoints together (CacheLifecycle.evict_until), until the ledger has what was asked
-    def _reclaim(self, freed) -> None:
-        self.ledger.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
-
+    # checkpoints together (sglang_k3.cache.unified_eviction, shared with the replay)
     def _evict_for_checkpoint(self, nbytes: int) -> None:
-        if self.unified is None or self.ledger.ckpt_at_cap():
-            self.lifecycle.evict(num_bytes=nbytes)  # a pool of their own, or at --k3-max-checkpoints
-            return
-        self._reclaim(self.lifecycle.evict_until(self.ledger.ckpt_has_room, self.ledger.geom.block_bytes))
+        if self.unified is None:
+            self.lifecycle.evict(num_bytes=nbytes)  # a checkpoint pool of their own
+        else:
+            self.evictor.for_checkpoint(nbytes)
 
     def _evict_for_active(self, want_free: int) -> None:
-        """Until ``want_free`` blocks are free (state slots for requests about to run)."""
-        led = self.ledger
-        short = want_free - led.free_blocks()
-        if short > 0:
-            freed = self.lifecycle.evict_until(
-                lambda: led.free_blocks() >= want_free,
-                short * led.geom.block_bytes,
-                keep_checkpoints=self.cfg.min_checkpoints,
-                group=led.block_of_checkpoint,
-            )
-            self._reclaim(freed)
+        self.evictor.for_blocks(want_free)
 
     def _reclaimable_checkpoint_blocks(self) -> int:
         """Blocks that evicting every evictable checkpoint (above the floor) would surely free: a
@@ -327,17 +317,8 @@ class K3RadixCache(BasePrefixCache):
         return max(0, led.blocks_of(Kind.CKPT) - stuck)
 
     def _evict_checkpoints_for_kv(self, n: int) -> None:
-        """The KV allocator found fewer than ``n`` tokens: evict (checkpoints of whole blocks first
-        when that is what frees blocks) until it has them."""
-        led = self.ledger
-        self._reclaim(
-            self.lifecycle.evict_until(
-                lambda: led.kv_available() >= n,
-                n * led.geom.kv_token_bytes,
-                keep_checkpoints=self.cfg.min_checkpoints,
-                group=led.block_of_checkpoint,
-            )
-        )
+        """The KV allocator found fewer than ``n`` tokens: evict until it has them."""
+        self.evictor.for_kv(n, n)
 
     def _evict_unified(self, params: EvictParams) -> EvictResult:
         led, result = self.ledger, EvictResult()
@@ -345,13 +326,7 @@ class K3RadixCache(BasePrefixCache):
             # SGLang asks for its shortfall against the allocator's available size, which already
             # counts what evicting checkpoints would free: make all of it real in the ledger
             target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
-            freed = self.lifecycle.evict_until(
-                lambda: led.kv_available() >= target,
-                params.num_tokens * led.geom.kv_token_bytes,
-                keep_checkpoints=self.cfg.min_checkpoints,
-                group=led.block_of_checkpoint,
-            )
-            self._reclaim(freed)
+            freed = self.evictor.for_kv(target, params.num_tokens)
             result.num_tokens_evicted = len(freed.kv_indices)
         if params.mamba_num > 0:  # short of state slots: only free blocks within the reserve help
             before = led.free_blocks()

@@ -33,11 +33,10 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
 from sglang_k3.cache.block_ledger import BlockLedger, LedgerError, plan_geometry
 from sglang_k3.config import K3Config
+from sglang_k3.state.checkpoint_pool import parse_checkpoint_dtype
 from sglang_k3.state.unified_buffer import CheckpointLayout, StateLayout, UnifiedBuffer
 
 logger = logging.getLogger(__name__)
-
-_CKPT_DTYPES = {"int8": torch.int8, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class UnifiedConfigError(ValueError):
@@ -51,22 +50,7 @@ class UnifiedMemory:
 
     ledger: BlockLedger
     buffer: UnifiedBuffer
-    state_layout: StateLayout
     ckpt_layout: CheckpointLayout
-    ckpt_dtype: str
-    budget_source: dict  # how the budget was sized: SGLang's KV and state pool bytes
-
-    def describe(self) -> dict:
-        g = self.ledger.geom
-        return {
-            "budget_bytes": g.budget_bytes,
-            "block_bytes": g.block_bytes,
-            "num_blocks": g.num_blocks,
-            "kv_tokens_per_block": g.kv_per_block,
-            "checkpoints_per_block": g.ckpt_per_block,
-            "active_reserve": self.ledger.active_reserve,
-            **self.budget_source,
-        }
 
 
 _ATTR = "_k3_unified_memory"
@@ -189,7 +173,7 @@ def _mla_pool(token_to_kv_pool):
 def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     """Size the budget as SGLang sized its two pools and check the floors fit."""
     state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
-    ckpt = CheckpointLayout.of_state(state, _CKPT_DTYPES[cfg.checkpoint_dtype])
+    ckpt = CheckpointLayout.of_state(state, parse_checkpoint_dtype(cfg.checkpoint_dtype))
     kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
     kv_bytes = sum(b.numel() * b.element_size() for b in kv_pool.kv_buffer)
     state_bytes = mamba_pool.mamba_cache.temporal.numel() * mamba_pool.mamba_cache.temporal.element_size() + sum(
@@ -260,12 +244,13 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     slots = UnifiedSlotAllocator(ledger, device=temporal.device)
     req_to_token_pool.mamba_allocator = slots
     new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
-    info = UnifiedMemory(ledger, buf, state, ckpt, cfg.checkpoint_dtype, sizes)
-    setattr(req_to_token_pool, _ATTR, info)
+    setattr(req_to_token_pool, _ATTR, UnifiedMemory(ledger, buf, ckpt))
     logger.info(
-        "sglang-k3 unified memory: %d bytes in %d blocks of %d B (%d KV tokens, one state, or %d %s checkpoints "
-        "each); %d blocks held back for active states",
+        "sglang-k3 unified memory: %d bytes (SGLang's KV pool %d B + state pool %d B) in %d blocks of %d B "
+        "(%d KV tokens, one state, or %d %s checkpoints each); %d blocks held back for active states",
         g.budget_bytes,
+        sizes["sglang_kv_pool_bytes"],
+        sizes["sglang_state_pool_bytes"],
         g.num_blocks,
         g.block_bytes,
         g.kv_per_block,
