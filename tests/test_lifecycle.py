@@ -225,3 +225,53 @@ def test_placement_from_config_scales_only_the_units():
     assert off.decode_interval is None and off.per_path_budget is None
     with pytest.raises(ValueError):
         K3Config(checkpoint_dtype="fp16")
+
+
+def _turn(lc, rid, key, out, slot):
+    """One request: match, one prefill chunk to the prompt end, then finish after ``out``."""
+    base = 10_000 * slot  # the request's own KV indices (the tree frees those it already holds)
+    lc.match(rid, key, admit=True, prompt_len=len(key))
+    ins = lc.insert(key, range(base, base + len(key)))
+    lc.checkpoint_running(rid, ins.node, len(key), active_slot=slot)
+    lc.release_pin(rid)
+    full = key + out
+    ins = lc.insert(full, range(base, base + len(full)))
+    lc.finish(ins.node, len(full), len(full), active_slot=slot, rid=rid)
+    lc.release(rid)
+    return ins.node
+
+
+def test_one_state_per_turn_the_generation_end_supersedes_the_prompt_end():
+    """The next turn matches the generation end; the request's own prompt-end state leaves the
+    tree when the generation-end state lands (and stays with --k3-keep-superseded-checkpoints)."""
+    for keep in (False, True):
+        lc, store, _ = _lc(checkpoint_keep_superseded=keep)
+        key = list(range(300))
+        node = _turn(lc, "a", key, [900, 901], slot=1)
+        assert [p for p, _ in _positions(lc, node)] == ([300, 302] if keep else [302])
+        assert len(store.live) == (2 if keep else 1) and lc.tree.stats.recycled_checkpoints == (0 if keep else 1)
+        nxt = key + [900, 901, 5, 6]
+        assert lc.match(None, nxt, admit=False).restore_len == 302  # the next turn still hits in full
+        lc.tree.check_invariants()
+
+
+def test_one_state_per_turn_keeps_states_with_evidence_of_forks():
+    lc, store, _ = _lc()
+    key = list(range(300))
+    # a repeated prompt (a regeneration): its prompt-end state stays for the next regeneration
+    _turn(lc, "a", key, [900, 901], slot=1)
+    node = _turn(lc, "b", key, [700, 701], slot=2)
+    assert lc.match(None, key, admit=False).mla_len == 300
+    assert sorted(p for p, _ in _positions(lc, node)) == [300, 302]
+    # a state that was hit stays: a later request restored from b's prompt end and went elsewhere
+    lc.match("c", key + [1], admit=True, prompt_len=301)
+    lc.release("c")
+    ck300 = next(c for c in lc.tree.path_checkpoints(node) if c.pos == 300)
+    assert ck300.hits == 1
+    # the restored-from state of a continuation goes when the continuation's own turn end lands,
+    # unless someone else hit it too
+    nxt = key + [700, 701, 5, 6]
+    turn2 = _turn(lc, "d", nxt, [8], slot=3)
+    positions = [p for p, _ in _positions(lc, turn2)]
+    assert 302 not in positions and 300 in positions and 305 in positions
+    lc.tree.check_invariants()

@@ -34,12 +34,29 @@ def test_recycle_drops_superseded_chunks_but_keeps_branch_points_and_turn_ends()
     tree, kv, h = K3RadixTree(num_groups=1), IntPool(10_000), IntPool(100)
     key = list(range(1024))
     node, cks = run_request(tree, h, kv, key, {256: K.CHUNK, 512: K.PROMPT_END, 768: K.CHUNK, 1024: K.CHUNK})
-    tree.insert(key[:768] + [-1] * 64, kv.alloc(832))  # a sibling forks at 768: branch point
+    sib = tree.insert(key[:768] + [-1] * 64, kv.alloc(832)).node  # a sibling forks at 768
+    tree.add_checkpoint(sib, 832, h.alloc(1), 10, kind=K.GEN_END, ready=True)  # ... and keeps a state: a live path
     node = tree.match_prefix(key + [0], pin=False).node
     freed = tree.recycle_path(node, PlacementPolicy())
     assert freed.handles == cks[256].handles
     assert sorted(c.pos for c in tree.path_checkpoints(node)) == [512, 768, 1024]
     assert tree.stats.recycled_checkpoints == 1
+
+
+def test_a_dead_stub_sibling_is_not_a_branch_point():
+    """A leaf with no checkpoint and no lock (e.g. a prompt's tail past its last state, forked off
+    inside a page by the same request's longer sequence) is no path to restore along: the
+    checkpoint where it hangs stays recyclable and within the per-path cap."""
+    tree, kv, h = K3RadixTree(num_groups=1), IntPool(10_000), IntPool(100)
+    key = list(range(1024))
+    node, cks = run_request(tree, h, kv, key, {256: K.CHUNK, 768: K.CHUNK, 1024: K.GEN_END})
+    stub = tree.insert(key[:768] + [-1] * 64, kv.alloc(832)).node
+    assert not tree.is_branch_point(cks[768])
+    tree.inc_lock_ref(stub)  # a running request on it: a live path
+    assert tree.is_branch_point(cks[768])
+    tree.dec_lock_ref(stub)
+    node = tree.match_prefix(key + [0], pin=False).node
+    assert sorted(tree.recycle_path(node, PlacementPolicy()).handles) == sorted(cks[256].handles + cks[768].handles)
 
 
 def test_per_path_budget():

@@ -316,7 +316,7 @@ class K3Policy(Policy):
         if processed > 0:
             ins = self._insert(run, seq, self._path_kv(run, seq), processed)
             if ins is not None:
-                lc.finish(ins.node, processed, processed, active_slot=run.slot)
+                lc.finish(ins.node, processed, processed, active_slot=run.slot, rid=run.rid)
         self._lock(run, None)
         lc.release(run.rid)
         self.enforce_budget()

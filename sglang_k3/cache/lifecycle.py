@@ -28,13 +28,13 @@ write has been issued (``_land``). Stores run at once, or, inside a store scope
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
 from sglang_k3.cache.eviction import EvictionPolicy
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
-from sglang_k3.cache.results import Freed, FreeKV, InsertResult, MatchResult, Pin, ReleaseCheckpoint
+from sglang_k3.cache.results import DropReason, Freed, FreeKV, InsertResult, MatchResult, Pin, ReleaseCheckpoint
 from sglang_k3.cache.tree import K3RadixTree
 
 
@@ -102,6 +102,9 @@ class RequestRecord:
     is_done: Callable[[], bool]  # the host's view: a request aborted while waiting is done
     branch_point: Optional[int] = None
     pin: Optional[Pin] = None  # held until the request's copy-on-write has landed
+    repeat: bool = False  # its whole prompt was already cached: a regenerated or repeated prompt
+    placed: list[Checkpoint] = field(default_factory=list)  # checkpoints it put in the tree
+    restored: Optional[Checkpoint] = None  # the checkpoint its hit restored from
 
 
 @dataclass
@@ -168,8 +171,11 @@ class CacheLifecycle:
             if self.placement.at_branch_points:
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
-        if res.pin is not None:
-            self.requests[rid].pin = res.pin  # type: ignore[index]
+        if admit and rid is not None:
+            rec = self.requests[rid]
+            rec.pin = res.pin
+            rec.restored = res.checkpoint
+            rec.repeat = res.mla_len >= len(tokens) > 0
         return res
 
     def release_pin(self, rid: str) -> None:
@@ -235,7 +241,7 @@ class CacheLifecycle:
             handle = self._pinned(node, self.store.capture_export, source, pos)
             if handle is None:
                 return  # no memory for it now
-            self._register(node, pos, handle, kind)
+            self._register(node, pos, handle, kind, rid)
 
     def running_kind(self, rid: str, up_to: int) -> Optional[CheckpointKind]:
         rec = self.requests.get(rid)
@@ -252,21 +258,28 @@ class CacheLifecycle:
         if kind is None or self.has_checkpoint_at(node, up_to):
             return
         if self._queues_stores():
-            self._queue_store(node, up_to, kind, active_slot, release_active=False)
+            self._queue_store(node, up_to, kind, active_slot, release_active=False, rid=rid)
             return
         handle = self._pinned(node, self.store.capture_active, active_slot)
         if handle is None:
             return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
-        self._register(node, up_to, handle, kind)
+        self._register(node, up_to, handle, kind, rid)
 
     def decode_due(self, seq_len: int) -> bool:
         return self.placement.decode_checkpoint(seq_len)
 
     # ------------------------------------------------------------------ finish
-    def finish(self, node: Node, up_to: int, state_len: int, active_slot: int) -> None:
+    def finish(self, node: Node, up_to: int, state_len: int, active_slot: int, rid: Optional[str] = None) -> None:
         """The request finished with its KV inserted up to ``node`` (``up_to`` tokens) and its
         active slot holding the state after ``state_len`` tokens. The slot is consumed: donated
-        to the tree, queued for a store that releases it, or released."""
+        to the tree, queued for a store that releases it, or released. With ``rid``, the states
+        the request placed earlier that the generation-end state supersedes then leave the tree
+        (:meth:`_drop_superseded`)."""
+        self._donate_final(node, up_to, state_len, active_slot)
+        if rid is not None and self.placement.drop_superseded:
+            self._drop_superseded(rid, node, up_to)
+
+    def _donate_final(self, node: Node, up_to: int, state_len: int, active_slot: int) -> None:
         donate = (
             self.placement.at_generation_end
             and up_to == state_len  # the slot's state is exactly at up_to
@@ -284,6 +297,41 @@ class CacheLifecycle:
         if handle is not None:
             self._register(node, up_to, handle, CheckpointKind.GEN_END)
 
+    def _drop_superseded(self, rid: str, node: Node, up_to: int) -> None:
+        """One state per turn. A request leaves states at its chunk ends, its prompt end (two: the
+        exported grid point below it, so an identical prompt hits, and the prompt end itself) and
+        its generation end. The next turn of a conversation extends the whole sequence and
+        matches the generation end, so the earlier ones save nothing over it for that turn; they
+        would serve only a request that forks between them and the generation end. So once the
+        generation-end state is in the tree, the request's earlier states go, unless there is
+        evidence that such forks happen there: the state was hit, it sits where live paths part
+        (:meth:`K3RadixTree.is_branch_point`), it was placed at a fork (``BRANCH``), or the
+        request itself repeated a fully cached prompt (then its prompt states stay, so the next
+        regeneration of that prompt hits). Measured on the conversation trace in
+        ``benchmarks/results/trace_replay``; the placement flag ``drop_superseded`` turns it off."""
+        rec = self.requests.get(rid)
+        if rec is None or not any(ck.pos == up_to for ck in self.tree.path_checkpoints(node)):
+            return  # no state at the generation end: nothing supersedes the earlier ones
+        freed = Freed()
+        own = [(ck, 0) for ck in rec.placed]
+        if rec.restored is not None:
+            own.append((rec.restored, 1))  # its one hit was this request, which went on past it
+        for ck, own_hits in sorted(own, key=lambda c: -c[0].pos):  # deepest first: a stub it empties is no fork
+            if (
+                ck.node is None
+                or ck.pos >= up_to
+                or ck.hits > own_hits
+                or ck.pins
+                or not ck.ready
+                or self.tree.is_branch_point(ck)
+                or (rec.repeat and ck.kind & CheckpointKind.PROMPT_END)
+            ):
+                continue
+            freed.extend(self.tree.drop_checkpoint(ck, DropReason.RECYCLED))
+        rec.placed = [ck for ck in rec.placed if ck.node is not None]
+        self.tree.stats.recycled_checkpoints += freed.checkpoints
+        self._apply(freed)
+
     # ------------------------------------------------------------------ one store call per step
     def begin_store_scope(self) -> None:
         self._store_scope += 1
@@ -296,13 +344,22 @@ class CacheLifecycle:
     def _queues_stores(self) -> bool:
         return self._store_scope > 0 and self.store.batches_stores
 
-    def _queue_store(self, node: Node, pos: int, kind: CheckpointKind, active: int, release_active: bool) -> None:
+    def _queue_store(
+        self,
+        node: Node,
+        pos: int,
+        kind: CheckpointKind,
+        active: int,
+        release_active: bool,
+        rid: Optional[str] = None,
+    ) -> None:
         handle = self._pinned(node, self.store.alloc)
         ck = None if handle is None else self._add_pending(node, pos, handle, kind)
         if ck is None:  # no memory for it now, or the boundary is already there
             if release_active:
                 self.store.release_active(active)
             return
+        self._note_placed(rid, ck)
         self._queue.append(QueuedStore(node, ck, active, handle, release_active))  # type: ignore[arg-type]
 
     def flush_stores(self) -> int:
@@ -337,10 +394,16 @@ class CacheLifecycle:
         finally:
             self.tree.dec_lock_ref(node)
 
-    def _register(self, node: Node, pos: int, handle: int, kind: CheckpointKind) -> None:
+    def _register(self, node: Node, pos: int, handle: int, kind: CheckpointKind, rid: Optional[str] = None) -> None:
         ck = self._add_pending(node, pos, handle, kind)
         if ck is not None:
+            self._note_placed(rid, ck)
             self._land(node, ck)  # the copy (or donation) has been issued
+
+    def _note_placed(self, rid: Optional[str], ck: Checkpoint) -> None:
+        rec = self.requests.get(rid) if rid is not None else None
+        if rec is not None:
+            rec.placed.append(ck)
 
     def _add_pending(self, node: Node, pos: int, handle: int, kind: CheckpointKind) -> Optional[Checkpoint]:
         """Put ``handle`` in the tree at ``pos``, not ready yet; None (handle freed) if the tree
@@ -374,6 +437,21 @@ class CacheLifecycle:
         if num_bytes > 0:
             self._release_done_pins()
         return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes))
+
+    def evict_handles(self, handles: Sequence[int]) -> Freed:
+        """Evict exactly the checkpoints holding ``handles`` (e.g. the ones in a block the host
+        needs back), all or nothing: if any of them is pinned or its copy has not landed, none
+        goes."""
+        cks = {id(ck): ck for ck in (self.tree.checkpoint_of(h) for h in handles) if ck is not None}
+        if any(not self.tree.checkpoint_evictable(ck) for ck in cks.values()):
+            return Freed()
+        self._release_done_pins()
+        freed = Freed()
+        for ck in cks.values():
+            freed.extend(self.tree.drop_checkpoint(ck, DropReason.EVICTED))
+        self.tree.stats.evicted_checkpoints += freed.checkpoints
+        self.tree.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
+        return self._apply(freed)
 
     def evict_until(
         self,
@@ -434,6 +512,7 @@ def placement_from_config(cfg, unit: int = 1) -> PlacementPolicy:
         at_branch_points=cfg.checkpoint_branch_points,
         decode_interval=max(1, interval // unit) if interval else None,
         per_path_budget=cfg.checkpoint_budget or None,
+        drop_superseded=not cfg.checkpoint_keep_superseded,
     )
 
 

@@ -49,6 +49,7 @@ class Checkpoint:
     ready: bool = False
     pins: int = 0
     last_access: int = 0
+    hits: int = 0  # admitted matches that restored from it (evidence it is worth keeping)
 
     @property
     def complete(self) -> bool:

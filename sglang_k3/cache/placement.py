@@ -25,6 +25,7 @@ class PlacementPolicy:
     at_branch_points: bool = True
     per_path_budget: Optional[int] = 8  # checkpoints kept on one root-to-leaf path; None: no cap
     recycle_superseded: bool = True
+    drop_superseded: bool = True  # one state per turn: see CacheLifecycle._drop_superseded
 
     def _align(self, pos: int) -> int:
         return pos // self.hit_unit * self.hit_unit

@@ -200,6 +200,7 @@ class K3RadixTree:
         if best is not None:
             best.last_access = now
             if pin:
+                best.hits += 1
                 best.pins += 1
                 self.inc_lock_ref(best.node)  # type: ignore[arg-type]
                 res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
@@ -390,6 +391,14 @@ class K3RadixTree:
         self._pending.clear()
         return n
 
+    def checkpoint_of(self, handle: int) -> Optional[Checkpoint]:
+        """The checkpoint that holds ``handle`` (any group), or None."""
+        return self._handle_owner.get(handle)
+
+    def checkpoint_evictable(self, ck: Checkpoint) -> bool:
+        """Not pinned, landed, in the tree, and not protected by a lock on its path."""
+        return self._ckpt_evictable(ck)
+
     def _ckpt_evictable(self, ck: Checkpoint) -> bool:
         if ck.pins or not ck.ready or ck.node is None:
             return False
@@ -421,10 +430,23 @@ class K3RadixTree:
         return out[::-1]
 
     def is_branch_point(self, ck: Checkpoint) -> bool:
+        """Placed at a fork (``BRANCH``), or where two or more live paths part. A child that is a
+        leaf with no checkpoint and no lock is a dead stub, not a path: its KV can serve no
+        restore (e.g. the tail a prompt leaves past its last state, which the same request's
+        longer sequence forks off inside a page or replay symbol), so it does not make a fork."""
         n = ck.node
-        return bool(ck.kind & CheckpointKind.BRANCH) or (n is not None and ck.pos == n.end and len(n.children) >= 2)
+        if ck.kind & CheckpointKind.BRANCH:
+            return True
+        if n is None or ck.pos != n.end:
+            return False
+        live = sum(1 for c in n.children.values() if c.children or c.checkpoints or c.lock_ref)
+        return live >= 2
 
     # ------------------------------------------------------------------ eviction
+    def saved_flops(self, ck: Checkpoint) -> float:
+        """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
+        return self._saved_flops(ck)
+
     def _saved_flops(self, ck: Checkpoint) -> float:
         """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
         prev = 0
@@ -574,6 +596,17 @@ class K3RadixTree:
             return 0
         lower = [p for p in n.checkpoints if p < ck.pos]
         return self.policy.kv_bytes(ck.pos - (max(lower) if lower else n.start))
+
+    def trim_dead_tail(self, leaf: Node) -> Freed:
+        """Free an unlocked leaf's KV past its last checkpoint (the whole leaf when it has none):
+        KV no restore can use. Nothing when ``leaf`` is locked, not a leaf, or has no such KV."""
+        self._check_attached(leaf)
+        freed = Freed()
+        if leaf is self.root or not leaf.is_leaf or leaf.lock_ref or self._keep_end(leaf) >= leaf.end:
+            return freed
+        freed.extend(self._trim_leaf(leaf, self._keep_end(leaf)))
+        self.stats.evicted_kv_tokens += len(freed.kv_indices)
+        return freed
 
     def _trim_dead_tails(self, leaves: list[Node], freed: Freed, enough: Callable[[], bool]) -> bool:
         """KV past a leaf's last checkpoint cannot serve a restore: trim it, least recently used

@@ -54,6 +54,15 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "from a cached path, found by matching it before its prefill, as Marconi does).",
     )
     g.add_argument(
+        "--k3-keep-superseded-checkpoints",
+        action="store_true",
+        help="k3 cache: when a request finishes, keep its earlier states (chunk ends, prompt end) "
+        "next to its generation-end state. By default they leave the tree then, unless they "
+        "were hit, sit where cached paths fork, or the request repeated a cached prompt: the "
+        "next turn matches the generation end, so one state per turn saves the same prefill "
+        "with half the state memory or less.",
+    )
+    g.add_argument(
         "--k3-decode-checkpoint-interval",
         type=int,
         default=4096,
@@ -141,6 +150,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_prompt_end=not ns.k3_no_prompt_checkpoints,
         checkpoint_generation_end=not ns.k3_no_generation_checkpoints,
         checkpoint_branch_points=not ns.k3_no_branch_checkpoints,
+        checkpoint_keep_superseded=ns.k3_keep_superseded_checkpoints,
         checkpoint_budget=ns.k3_checkpoint_budget,
         checkpoint_dtype=ns.k3_checkpoint_dtype,
         checkpoint_slots=ns.k3_checkpoint_slots,

@@ -226,7 +226,7 @@ class K3RadixCache(BasePrefixCache):
         if finished:
             self._consume_export(req)
             req.kv.mamba_pool_idx = None  # donated, queued for its store, or released
-            self.lifecycle.finish(ins.node, up_to, req.kv.kv_committed_len, active)
+            self.lifecycle.finish(ins.node, up_to, req.kv.kv_committed_len, active, rid=req.rid)
         else:
             self.lifecycle.checkpoint_running(req.rid, ins.node, up_to, active, kind)
 
