@@ -44,7 +44,7 @@ GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 DEFAULT_OUT = os.path.join("benchmarks", "results", "trace_replay")
-DEFAULT_POLICIES = "k3,k3-fixed,upstream,vllm-align,marconi,oracle,fa-budget"
+DEFAULT_POLICIES = "k3,k3-fixed,upstream,upstream-int8,vllm-align,marconi,oracle,fa-budget"
 DTYPES = ("int8", "bf16", "fp32")
 
 
@@ -219,6 +219,8 @@ def build_records(args, results) -> list:
                 state_dtype=(
                     args.checkpoint_dtype
                     if p in ("k3", "k3-fixed", "marconi")
+                    else "int8"
+                    if p == "upstream-int8"
                     else args.baseline_state_dtype
                     if p in ("upstream", "vllm-align")
                     else None
@@ -283,8 +285,11 @@ def parse_args(argv=None):
         "lifecycle built from its default K3Config, int8 checkpoints and MLA KV in one "
         "unified budget cut into the server's blocks), k3-fixed (--k3-no-unified-memory: "
         "checkpoints in their own pool of --k3-checkpoint-slots, KV in the rest), upstream "
-        "(SGLang 0.5.23 hybrid cache), vllm-align "
-        "(vLLM align mode), marconi (branch points + last token, FLOP-aware eviction), oracle "
+        "(SGLang 0.5.23 hybrid cache, its default fp32 states), upstream-int8 (the same with its "
+        "opt-in --enable-int8-mamba-checkpoint: a separate int8 state pool of 2x its state slots, "
+        "outside the budget), vllm-align (vLLM align mode: states at prefill chunk ends and decode "
+        "block boundaries), marconi (branch points + last token, FLOP-aware eviction with alpha "
+        "tuned by its bootstrap replay), oracle "
         "(KV-only, unlimited memory), fa-budget (KV-only LRU in the same budget). Each is documented "
         "in benchmarks/policies/<name>.py. oracle and fa-budget always run, since every record "
         "reports its fraction of both.",

@@ -17,7 +17,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
-ALL = ["k3", "k3-fixed", "upstream", "vllm-align", "marconi", "oracle", "fa-budget"]
+ALL = ["k3", "k3-fixed", "upstream", "upstream-int8", "vllm-align", "marconi", "oracle", "fa-budget"]
 FIELDS = {
     "policy": str,
     "budget_gib": (int, float),

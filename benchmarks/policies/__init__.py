@@ -8,13 +8,14 @@ from benchmarks.policies.fa_budget import FaBudgetPolicy
 from benchmarks.policies.k3 import K3FixedPolicy, K3Policy
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
-from benchmarks.policies.upstream import UpstreamPolicy
+from benchmarks.policies.upstream import UpstreamInt8Policy, UpstreamPolicy
 from benchmarks.policies.vllm_align import VllmAlignPolicy
 
 POLICIES = {
     "k3": K3Policy,
     "k3-fixed": K3FixedPolicy,
     "upstream": UpstreamPolicy,
+    "upstream-int8": UpstreamInt8Policy,
     "vllm-align": VllmAlignPolicy,
     "marconi": MarconiPolicy,
     "oracle": OraclePolicy,

@@ -133,6 +133,7 @@ class TreePolicy(Policy):
     ckpt_nbytes: int = 0
     pool: str = "unified"  # or "split"
     state_share: float = 0.0  # split: fraction of the budget for states
+    state_pool_bytes: Optional[float] = None  # split: the tree's states get this pool instead (KV keeps its share)
     insert_to_last_checkpoint: bool = False  # upstream keys its inserts at the tracked state
     overshoot_max: float = field(default=0.0, init=False)
 
@@ -195,8 +196,8 @@ class TreePolicy(Policy):
         kvb = self.cfg.kv_bytes_per_symbol
         low = 1.0 - self.cfg.evict_watermark
         if self.pool == "split":
-            state_budget = self.budget_bytes * self.state_share
-            kv_budget = self.budget_bytes - state_budget
+            kv_budget = self.budget_bytes * (1.0 - self.state_share)
+            state_budget = self.budget_bytes - kv_budget if self.state_pool_bytes is None else self.state_pool_bytes
             if self.tree.checkpoint_bytes() > state_budget:
                 self.tree.evict(num_bytes=math.ceil(self.tree.checkpoint_bytes() - state_budget * low))
             if self.kv_bytes() > kv_budget:

@@ -50,6 +50,7 @@ ping-pong slots of running requests are not charged to the state pool (for no po
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from benchmarks.policies.base import ScaledCost, SimConfig, TreePolicy, _Ctx
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
@@ -60,7 +61,7 @@ TRACK_INTERVAL = 256  # mamba_track_interval default (rule 5)
 class UpstreamPolicy(TreePolicy):
     name = "upstream"
 
-    def __init__(self, cfg: SimConfig, budget_bytes):
+    def __init__(self, cfg: SimConfig, budget_bytes, state_dtype: Optional[str] = None, state_pool_bytes=None):
         if TRACK_INTERVAL % cfg.unit:
             raise ValueError(f"symbol size {cfg.unit} must divide the track interval {TRACK_INTERVAL}")
         ev = dataclasses.replace(
@@ -73,9 +74,10 @@ class UpstreamPolicy(TreePolicy):
             page=1,
             hit_unit=1,
             eviction=ev,
-            state_dtype=cfg.baseline_state_dtype,
+            state_dtype=state_dtype or cfg.baseline_state_dtype,
             pool="split",
             state_share=r / (1 + r),
+            state_pool_bytes=state_pool_bytes,
             insert_to_last_checkpoint=True,
         )
 
@@ -108,3 +110,44 @@ class UpstreamPolicy(TreePolicy):
         if last > L:
             return {last // self.cfg.unit: CheckpointKind.DECODE | CheckpointKind.GEN_END}
         return {}  # no new state: the finish insert re-touches the prefill's state (rule 4)
+
+
+INT8_POOL_SLOTS_PER_MAMBA_SLOT = 2  # ckpt_size = int8_mamba_ckpt_size or 2 * mamba_size
+
+
+class UpstreamInt8Policy(UpstreamPolicy):
+    """``upstream-int8``: the same cache with SGLang's opt-in ``--enable-int8-mamba-checkpoint``
+    (``enable_int8_mamba_checkpoint = False`` by default, arg_groups/fields/exec_.py:534-537).
+    Rules 1-7 are unchanged (placement and eviction do not look at the flag:
+    unified_cache/components/mamba.py:80-85, 255-320); what changes is where the tree's states live:
+
+    * **A separate int8 checkpoint pool** (``HybridReqToTokenPool.mamba_ckpt_pool``,
+      mem_cache/memory_pool.py:1497-1516) of ``2 x max_mamba_cache_size`` slots
+      (mem_cache/mamba_checkpoint_pool.py:330). Every tree state is quantized into it on insert and
+      dequantized into an active slot on a hit (mamba_checkpoint_pool.py:246-254); the recurrent
+      state is int8 with per-(head, channel) scales, the conv state stays native
+      (mamba_checkpoint_pool.py:119-136, 216-224): ``--checkpoint-dtype``-independent, the model's
+      int8 checkpoint bytes here.
+    * **The KV / state split is unchanged** (kv_cache_configurator.py:3346-3407 ignores the flag), so
+      KV keeps ``1 / (1 + ratio)`` of the budget and the fp32 state pool its ``ratio / (1 + ratio)``,
+      now holding only running requests' states (not modelled, as for every policy), and
+      ``max_mamba_cache_size`` = that share / one fp32 state.
+    * **The checkpoint pool is extra memory**, "NOT subtracted from the KV-cache budget"
+      (mamba_checkpoint_pool.py:364-372): this policy holds more than the budget, by the pool's
+      bytes (``state_pool_bytes`` in its record).
+    """
+
+    name = "upstream-int8"
+
+    def __init__(self, cfg: SimConfig, budget_bytes):
+        pool = None
+        if budget_bytes is not None:
+            r = cfg.upstream_mamba_ratio
+            mamba_slots = int(budget_bytes * r / (1 + r) // cfg.checkpoint_bytes(cfg.baseline_state_dtype))
+            pool = INT8_POOL_SLOTS_PER_MAMBA_SLOT * mamba_slots * cfg.checkpoint_bytes("int8")
+        super().__init__(cfg, budget_bytes, state_dtype="int8", state_pool_bytes=pool)
+
+    def summary(self):
+        d = super().summary()
+        d["state_pool_bytes"] = self.state_pool_bytes
+        return d

@@ -7,11 +7,20 @@ Rules modelled (from vLLM's documentation and issues, not its code, which is not
   per token per layer)`` rounded up to the 64-token hit unit. For Kimi-Linear in fp32 that is
   1920 tokens. Each state occupies one page per KDA layer, so its bytes are the padded
   ``num_kda_layers x block x KV bytes per token per layer``.
-* Placement: a state at *every* block boundary the request computes (prefill and decode): "Mamba
-  state is stored only on the Mamba block grid, so a prefix-cache hit can resume only at a block
-  boundary" and prefix caching "retains a full recurrent-state snapshot once per block_size-token
-  boundary" (vLLM docs, automatic prefix caching; vllm-project/vllm#45845). Only whole blocks are
-  cached (tree page = block); no branch-point states, no per-path cap.
+* Placement, prefill: a state at the end of each scheduled *chunk* only, not at every block
+  boundary the prefill crosses: ``MambaManager.allocate_new_blocks`` gives a chunk one real state
+  block and fills the boundaries inside it with null blocks, which ``cache_full_blocks`` skips
+  (vLLM 0.20 ``v1/core/single_type_kv_cache_manager.py:1003``, ``v1/core/block_pool.py:259-262``;
+  "in prefill, we snapshot per chunk end", vllm-project/vllm#45845). In align mode the scheduler
+  floors a chunk that ends before ``L = floor(P / block) x block`` to a block multiple and cuts the
+  chunk that crosses ``L`` at ``L`` (0.20 ``v1/core/sched/scheduler.py:302-350``); the tail past
+  ``L`` holds no whole block and no state. The chunk budget is ``--chunked-prefill-size`` (vLLM's
+  ``max_num_batched_tokens``, 8192 on an H100/H200: 0.20 ``engine/arg_utils.py:2208-2222``).
+  A state at every block boundary (vllm-project/vllm#53479) is an open proposal, not shipped.
+* Placement, decode: a state at every block boundary crossed (0.20 ``v1/worker/mamba_utils.py:147-219``;
+  "in decode, we snapshot every block size still", #45845). The final partial block's state is
+  never cached (0.20 ``single_type_kv_cache_manager.py:299-311``). Only whole blocks are cached
+  (tree page = block); no branch-point states, no per-path cap.
 * Eviction: LRU over one block pool shared by attention and mamba pages (tree: alpha = 0, one
   unified budget; the tree frees LRU leaves with their states).
 * States in ``--baseline-state-dtype`` (default fp32; vLLM has no quantised state cache).
@@ -47,11 +56,12 @@ class VllmAlignPolicy(PlacementTreePolicy):
             hit_unit=page,
             at_chunk_end=True,
             at_prompt_end=True,
-            at_generation_end=True,
+            at_generation_end=False,  # the last partial block's state is never cached
             decode_interval=page,
             at_branch_points=False,
             per_path_budget=None,
             recycle_superseded=False,
+            drop_superseded=False,
         )
         c = cfg.cost
         nbytes = c.num_kda_layers * self.block * (c.kv_lora_rank + c.qk_rope_dim) * DTYPE_BYTES[cfg.kv_dtype]
@@ -69,8 +79,13 @@ class VllmAlignPolicy(PlacementTreePolicy):
         )
 
     def prefill_chunk_ends(self, restore, prompt_sym):
-        p = self.page  # every block boundary the prefill crosses
-        return list(range(restore + p, prompt_sym + 1, p)) or [prompt_sym]
+        p = self.page
+        last = prompt_sym // p * p  # the last whole block of the prompt
+        chunk = max(p, self.cfg.chunked_prefill_size // self.cfg.unit // p * p)  # floored to blocks
+        ends = list(range(restore + chunk, last, chunk))
+        if last > restore:
+            ends.append(last)  # the chunk crossing it is cut there
+        return ends or [prompt_sym]
 
     def after_insert(self, node):
         pass  # nothing is recycled: every block keeps its state until evicted
