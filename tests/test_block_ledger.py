@@ -9,14 +9,23 @@ from hypothesis import strategies as st
 from sglang_k3.cache.block_ledger import BlockLedger, Kind, LedgerError, plan_geometry
 
 # the embedded model's sizes: MLA KV 1,280 B/token, an fp32 KDA state 420,864 B, an int8
-# checkpoint about a third of it
+# checkpoint about a third of it: a block holds one checkpoint, a state spans three blocks
 GEOM = plan_geometry(40 * 420_864, kv_token_bytes=1280, active_bytes=420_864, ckpt_bytes=150_000)
+SPAN = GEOM.active_span
+
+
+def test_blocks_are_sized_for_a_checkpoint_and_a_state_spans_several():
+    assert (GEOM.ckpt_per_block, SPAN) == (1, 3)
+    assert GEOM.ckpt_bytes <= GEOM.block_bytes < GEOM.ckpt_bytes + 1280 + 64
+    assert (SPAN - 1) * GEOM.block_bytes < GEOM.active_bytes <= SPAN * GEOM.block_bytes
+    fp32 = plan_geometry(40 * 420_864, kv_token_bytes=1280, active_bytes=420_864, ckpt_bytes=420_864)
+    assert fp32.active_span == 1 and fp32.ckpt_per_block == 1  # fp32 checkpoints: one state per block
 
 
 def _intervals(led: BlockLedger, kv: set, active: set, ckpts: set) -> list[tuple[int, int, str]]:
     g = led.geom
     out = [(t * g.kv_token_bytes, (t + 1) * g.kv_token_bytes, "kv") for t in kv]
-    out += [(b * g.block_bytes, b * g.block_bytes + g.active_bytes, "active") for b in active]
+    out += [(s * SPAN * g.block_bytes, s * SPAN * g.block_bytes + g.active_bytes, "active") for s in active]
     for h in ckpts:
         b, sub = divmod(h, g.ckpt_per_block)
         start = b * g.block_bytes + sub * g.ckpt_stride
@@ -31,7 +40,7 @@ def _check(led: BlockLedger, kv: set, active: set, ckpts: set) -> None:
     for (s0, e0, k0), (s1, _, k1) in zip(iv, iv[1:]):
         assert e0 <= s1, f"{k0} [{s0},{e0}) overlaps {k1} at {s1}"
     for s, e, _ in iv:
-        assert g.block_bytes <= s and e <= g.budget_bytes  # never in the padding block
+        assert g.reserved_blocks * g.block_bytes <= s and e <= g.budget_bytes  # never in the padding target
     split = led.bytes_by_kind()
     assert (
         split["kv_bytes"]
@@ -43,7 +52,7 @@ def _check(led: BlockLedger, kv: set, active: set, ckpts: set) -> None:
     )
     assert split["kv_used_bytes"] == len(kv) * g.kv_token_bytes
     assert split["checkpoint_used_bytes"] == len(ckpts) * g.ckpt_stride
-    assert split["active_bytes"] == len(active) * g.block_bytes
+    assert split["active_bytes"] == len(active) * SPAN * g.block_bytes
     assert led.ckpt_count() == len(ckpts) and led.active_count() == len(active)
     assert led.kv_capacity() == led.kv_available() + len(kv)  # the idle leak check's equation
 
@@ -79,7 +88,7 @@ def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
             led.kv_free(victims)
             kv -= set(victims)
         elif op == "active":
-            free = led.free_blocks()
+            free = led.free_slots()
             b = led.active_alloc()
             assert (b is None) == (free == 0)
             if b is not None:
@@ -103,8 +112,10 @@ def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
             h = sorted(ckpts)[pick % len(ckpts)]
             led.ckpt_free(h)
             ckpts.discard(h)
-            # KV never takes the blocks held back for active slots
-            assert led.free_blocks() >= min(free_before, led.reserve_left())
+        # KV never takes the active region: the slots no state holds are free or borrowed
+        region = [s for s in led.region_slots if s not in active]
+        assert len(region) == led.active_reserve - len(active)
+        assert all(led.kind[b] in (Kind.FREE, Kind.CKPT) for s in region for b in range(s * SPAN, (s + 1) * SPAN))
         _check(led, kv, active, ckpts)
     led.kv_free(sorted(kv))
     for b in list(active):
@@ -119,24 +130,40 @@ def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
 def test_kv_leaves_the_active_reserve_alone():
     led = BlockLedger(GEOM, active_reserve=5)
     per = GEOM.kv_per_block
-    room = (GEOM.usable_blocks - 5) * per
+    room = (GEOM.usable_blocks - 5 * SPAN) * per
     assert led.kv_available() == room
     assert led.kv_alloc(room + 1) is None
     assert led.kv_alloc(room) is not None
-    assert led.kv_available() == 0 and led.free_blocks() == 5
+    assert led.kv_available() == 0 and led.free_blocks() == 5 * SPAN and led.free_slots() == 5
     for _ in range(5):
         assert led.active_alloc() is not None
     assert led.active_alloc() is None
+
+
+def test_checkpoints_borrow_the_active_region_and_a_slot_names_them_to_evict():
+    led = BlockLedger(GEOM, active_reserve=2)
+    assert led.kv_alloc(led.kv_available()) is not None  # KV takes everything outside the region
+    hs = [led.ckpt_alloc() for _ in range(2 * SPAN)]  # checkpoints fill the region's blocks
+    assert None not in hs and led.ckpt_alloc() is None
+    assert led.free_slots() == 0 and led.active_alloc() is None
+    victims = led.active_victims()
+    assert [len(v) for v in victims] == [SPAN, SPAN] and sorted(sum(victims, [])) == sorted(hs)
+    for h in victims[0]:
+        led.ckpt_free(h)
+    s = led.active_alloc()
+    assert s is not None and [led.kind[b] for b in range(s * SPAN, (s + 1) * SPAN)] == [Kind.ACTIVE] * SPAN
+    assert led.active_victims() == [victims[1]]
+    led.check()
 
 
 def test_kinds_grow_from_opposite_ends_and_pack():
     led = BlockLedger(GEOM, active_reserve=0)
     t = led.kv_alloc(1)[0]
     h0, h1 = led.ckpt_alloc(), led.ckpt_alloc()
-    assert t // GEOM.kv_per_block == 1  # lowest usable block
+    assert t // GEOM.kv_per_block == GEOM.reserved_blocks  # lowest usable block
     assert h0 // GEOM.ckpt_per_block == GEOM.num_blocks - 1  # highest block
-    assert h1 // GEOM.ckpt_per_block == h0 // GEOM.ckpt_per_block  # packed into the same block
-    assert led.kv_alloc(1)[0] // GEOM.kv_per_block == 1  # best fit: the partly used block first
+    assert h1 // GEOM.ckpt_per_block == GEOM.num_blocks - 2  # one checkpoint per block: the next one down
+    assert led.kv_alloc(1)[0] // GEOM.kv_per_block == GEOM.reserved_blocks  # best fit: the partly used block first
 
 
 def test_double_free_and_foreign_index_are_refused():
@@ -145,15 +172,16 @@ def test_double_free_and_foreign_index_are_refused():
     led.kv_free(t[:1])
     with pytest.raises(LedgerError):
         led.kv_free(t[:1])
-    b = led.active_alloc()
+    led2 = BlockLedger(GEOM, active_reserve=1)
+    b = led2.active_alloc()
     with pytest.raises(LedgerError):
-        led.ckpt_free(b * GEOM.ckpt_per_block)
+        led2.ckpt_free(b * SPAN * GEOM.ckpt_per_block)
     with pytest.raises(LedgerError):
-        led.active_free(t[1] // GEOM.kv_per_block)
-    assert led.kind[b] == Kind.ACTIVE
+        led2.active_free(b + 1)
+    assert led2.kind[b * SPAN] == Kind.ACTIVE
 
 
 def test_too_small_a_budget_is_refused_with_the_sizes():
     small = plan_geometry(2 * 420_864, kv_token_bytes=1280, active_bytes=420_864, ckpt_bytes=150_000)
-    with pytest.raises(LedgerError, match="needs at\\s+least 3"):
+    with pytest.raises(LedgerError, match="needs at\\s+least 7"):
         BlockLedger(small, active_reserve=1)

@@ -5,7 +5,8 @@ Every shortage evicts the least valuable KV and checkpoints together
 (:meth:`~sglang_k3.cache.lifecycle.CacheLifecycle.evict_until`) until the
 :class:`~sglang_k3.cache.block_ledger.BlockLedger` has what was asked for, and the ledger counts
 what it cost (``reclaims``, ``reclaim_evicted_bytes``). When whole blocks are needed (for KV or an
-active state), the checkpoints of one block compete as one candidate. Torch-free.
+active state), the checkpoints of one block compete as one candidate; a state slot is freed by
+evicting the checkpoints that borrowed its blocks. Torch-free.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ class UnifiedEviction:
         led = self.ledger
         return self._until(lambda: led.kv_available() >= target, step_tokens * led.geom.kv_token_bytes, True)
 
-    def for_blocks(self, want_free: int) -> Freed:
-        """Until ``want_free`` blocks are free (state slots for requests about to run)."""
-        led = self.ledger
-        short = want_free - led.free_blocks()
-        if short <= 0:
-            return Freed()
-        return self._until(lambda: led.free_blocks() >= want_free, short * led.geom.block_bytes, True)
+    def for_active(self, want: int) -> Freed:
+        """Until ``want`` state slots are whole and free, or no more can be: KV never enters the
+        active region, so a slot is held only by checkpoints that borrowed its blocks; those of
+        the slot that holds the fewest go (a pinned or unlanded one keeps its slot)."""
+        led, total = self.ledger, Freed()
+        for handles in led.active_victims():
+            if led.free_slots() >= want:
+                break
+            if handles:
+                freed = self.lifecycle.evict_handles(handles)
+                led.note_reclaim(freed.checkpoint_bytes, 0)
+                total.extend(freed)
+        return total

@@ -54,7 +54,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
-from sglang_k3.cache.block_ledger import Kind
 from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.lifecycle import build_lifecycle
 from sglang_k3.cache.unified_eviction import UnifiedEviction
@@ -304,17 +303,18 @@ class K3RadixCache(BasePrefixCache):
         else:
             self.evictor.for_checkpoint(nbytes)
 
-    def _evict_for_active(self, want_free: int) -> None:
-        self.evictor.for_blocks(want_free)
+    def _evict_for_active(self, want: int) -> None:
+        self.evictor.for_active(want)
 
     def _reclaimable_checkpoint_blocks(self) -> int:
-        """Blocks that evicting every evictable checkpoint (above the floor) would surely free: a
-        block keeps out only while it holds a checkpoint that cannot go."""
+        """Blocks outside the active region that evicting every evictable checkpoint (above the
+        floor) would surely free: a block keeps out only while it holds a checkpoint that cannot
+        go."""
         led = self.ledger
         held = self.tree.checkpoint_count()
         stuck = held - self.tree.evictable_checkpoint_bytes() // max(1, self.store.slot_bytes)
         stuck = max(stuck, min(held, self.cfg.min_checkpoints))
-        return max(0, led.blocks_of(Kind.CKPT) - stuck)
+        return max(0, led.ckpt_blocks_outside_region() - stuck)
 
     def _evict_checkpoints_for_kv(self, n: int) -> None:
         """The KV allocator found fewer than ``n`` tokens: evict until it has them."""
@@ -328,10 +328,10 @@ class K3RadixCache(BasePrefixCache):
             target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
             freed = self.evictor.for_kv(target, params.num_tokens)
             result.num_tokens_evicted = len(freed.kv_indices)
-        if params.mamba_num > 0:  # short of state slots: only free blocks within the reserve help
-            before = led.free_blocks()
-            self._evict_for_active(min(before + params.mamba_num, led.reserve_left()))
-            result.mamba_num_evicted = max(0, led.free_blocks() - before)
+        if params.mamba_num > 0:  # short of state slots: free the region's slots checkpoints borrowed
+            before = led.free_slots()
+            self._evict_for_active(before + params.mamba_num)
+            result.mamba_num_evicted = max(0, led.free_slots() - before)
         return result
 
     def evict(self, params: EvictParams) -> EvictResult:

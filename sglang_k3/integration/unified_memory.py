@@ -80,9 +80,7 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
         led = self.ledger
         if not led.ckpt_count():
             return 0
-        free, held_back = led.free_blocks(), led.reserve_left()
-        later = max(0, free + self.reclaimable_blocks() - held_back)
-        return (later - max(0, free - held_back)) * led.geom.kv_per_block
+        return self.reclaimable_blocks() * led.geom.kv_per_block
 
     @property
     def size(self) -> int:
@@ -124,7 +122,8 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
 
 
 class UnifiedSlotAllocator(MambaSlotAllocator):
-    """SGLang's state-slot allocator: a slot is a block of the unified budget."""
+    """SGLang's state-slot allocator: a slot is ``active_span`` blocks of the unified budget's
+    active region."""
 
     def __init__(self, ledger: BlockLedger, device) -> None:
         self.ledger = ledger
@@ -133,8 +132,8 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
 
     @property
     def free_slots(self) -> torch.Tensor:
-        """Blocks a slot could take now (diagnostics only)."""
-        return torch.tensor(sorted(self.ledger._free), dtype=torch.int64, device=self.device)
+        """Free blocks (diagnostics only)."""
+        return torch.tensor(self.ledger.free_block_list(), dtype=torch.int64, device=self.device)
 
     def clear(self) -> None:
         self.ledger.clear()
@@ -143,7 +142,7 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
         return self.ledger.active_reserve - self.ledger.active_count()
 
     def schedulable_available_size(self) -> int:
-        return min(self.available_size(), self.ledger.free_blocks())
+        return min(self.available_size(), self.ledger.free_slots())
 
     def _do_alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if need_size > self.schedulable_available_size():
@@ -154,7 +153,7 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         got = super().alloc(need_size)
         if got is None and self.evict_blocks is not None and need_size <= self.available_size():
-            self.evict_blocks(need_size)  # checkpoints (or KV) go, by value, until blocks are free
+            self.evict_blocks(self.ledger.free_slots() + need_size)  # borrowing checkpoints go
             got = self._do_alloc(need_size)
         return got
 
@@ -183,9 +182,10 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
         kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
     )
     reserve = max(1, min(int(mamba_pool.size), int(max_running)))
+    span = geom.active_span
     need = {
-        "the padding block": 1,
-        f"{reserve} active KDA state slots": reserve,
+        f"the padding target ({span} blocks)": span,
+        f"{reserve} active KDA state slots of {span} blocks": reserve * span,
         f"one block of MLA KV ({geom.kv_per_block} tokens)": 1,
     }
     if cfg.min_kv_tokens:
@@ -247,7 +247,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     setattr(req_to_token_pool, _ATTR, UnifiedMemory(ledger, buf, ckpt))
     logger.info(
         "sglang-k3 unified memory: %d bytes (SGLang's KV pool %d B + state pool %d B) in %d blocks of %d B "
-        "(%d KV tokens, one state, or %d %s checkpoints each); %d blocks held back for active states",
+        "(%d KV tokens or %d %s checkpoints each; a state spans %d); %d state slots held back for active states",
         g.budget_bytes,
         sizes["sglang_kv_pool_bytes"],
         sizes["sglang_state_pool_bytes"],
@@ -256,6 +256,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         g.kv_per_block,
         g.ckpt_per_block,
         cfg.checkpoint_dtype,
+        g.active_span,
         ledger.active_reserve,
     )
     return new_alloc

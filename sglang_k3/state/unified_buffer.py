@@ -9,9 +9,9 @@ each kind had the buffer to itself:
 * **MLA KV** (token-major): token ``t`` holds every MLA layer's row at byte ``t * kv_token_bytes``;
   layer ``l``'s buffer is ``[num_blocks * kv_per_block, 1, dim]`` with token stride
   ``num_mla_layers * dim``, the shape SGLang's ``MLATokenToKVPool.kv_buffer[l]`` has.
-* **Active states** (slot-major): slot ``s`` is block ``s``; ``temporal`` is
-  ``[L, num_blocks, H, V, K]`` and ``conv`` ``[L, num_blocks, *conv]`` with slot stride
-  ``block_bytes``, the shapes of SGLang's ``MambaPool.mamba_cache``.
+* **Active states** (slot-major): slot ``s`` is blocks ``[s * span, (s + 1) * span)``;
+  ``temporal`` is ``[L, num_slots, H, V, K]`` and ``conv`` ``[L, num_slots, *conv]`` with slot
+  stride ``span * block_bytes``, the shapes of SGLang's ``MambaPool.mamba_cache``.
 * **Checkpoints**: handle ``h`` is sub-slot ``h % m`` of block ``h // m`` at byte
   ``h * ckpt_stride``; ``q``, ``scale`` and ``conv`` are ``[num_blocks * m, ...]``, the shapes
   :class:`~sglang_k3.state.checkpoint_pool.CheckpointPool` keeps.
@@ -144,14 +144,18 @@ class UnifiedBuffer:
         return [self._strided(dtype, (1, dim), g.kv_token_bytes, l * row, tokens) for l in range(num_layers)]
 
     def state_views(self, layout: StateLayout) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``temporal [L, num_blocks, H, V, K]`` and ``conv [L, num_blocks, *conv]``, slot = block."""
+        """``temporal [L, num_slots, H, V, K]`` and ``conv [L, num_slots, *conv]``; slot ``s`` spans
+        blocks ``[s * span, (s + 1) * span)``."""
         g = self.geom
-        if layout.nbytes > g.block_bytes:
-            raise ValueError(f"a state of {layout.nbytes} bytes does not fit a {g.block_bytes}-byte block")
-        t = self._strided(layout.temporal_dtype, layout.temporal, g.block_bytes, 0, g.num_blocks).transpose(0, 1)
+        stride = g.active_span * g.block_bytes
+        if layout.nbytes > stride:
+            raise ValueError(
+                f"a state of {layout.nbytes} bytes does not fit {g.active_span} blocks of {g.block_bytes} B"
+            )
+        t = self._strided(layout.temporal_dtype, layout.temporal, stride, 0, g.num_slots).transpose(0, 1)
         if layout.conv is None:
             return t, None
-        c = self._strided(layout.conv_dtype, layout.conv, g.block_bytes, layout.conv_offset, g.num_blocks)
+        c = self._strided(layout.conv_dtype, layout.conv, stride, layout.conv_offset, g.num_slots)
         return t, c.transpose(0, 1)
 
     def checkpoint_views(self, layout: CheckpointLayout):
