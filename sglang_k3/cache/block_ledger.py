@@ -42,7 +42,8 @@ Active slots have a region: the top ``active_reserve`` slots (SGLang's own count
 ``active_span`` blocks each, aligned) that KV never takes, so a request can always get a state
 slot. Checkpoints may borrow region blocks when no other block is free (a checkpoint is
 evictable); an active slot that finds no whole free slot evicts the checkpoints of the slot that
-holds the fewest (:meth:`BlockLedger.active_victims`).
+holds the fewest (:meth:`BlockLedger.active_victims`). When those cannot go (pinned: the hit being
+restored may sit in the last free slot), a state takes any aligned run of free blocks elsewhere.
 
 After a flush (:meth:`clear`) every block but the reserved ones (slot 0's span, the padding target)
 is free and the largest free run is the whole rest of the budget.
@@ -246,14 +247,17 @@ class BlockLedger:
         return len(self._active)
 
     def free_slots(self) -> int:
-        """Active slots whose blocks are all free (allocatable without evicting)."""
-        return sum(1 for s in self.region_slots if self._slot_free(s))
+        """Active slots allocatable without evicting: the region's whole free slots, then any other
+        aligned run of ``span`` free blocks."""
+        outside = range(1, self.region_slots.start)
+        return sum(1 for s in self.region_slots if self._slot_free(s)) + sum(1 for s in outside if self._slot_free(s))
 
     def _slot_blocks(self, slot: int) -> range:
         return range(slot * self.span, (slot + 1) * self.span)
 
     def _slot_free(self, slot: int) -> bool:
-        return slot not in self._active and all(b in self._free_in for b in self._slot_blocks(slot))
+        pool = self._free_in if slot in self.region_slots else self._free_out
+        return slot not in self._active and all(b in pool for b in self._slot_blocks(slot))
 
     def _take_block(self, kind: Kind) -> Optional[int]:
         """KV takes the lowest free block outside the active region; a checkpoint the highest,
@@ -352,18 +356,24 @@ class BlockLedger:
 
     # ------------------------------------------------------------------ active slots
     def active_alloc(self) -> Optional[int]:
-        """A state slot whose ``span`` blocks are all free (the highest), or None."""
-        for s in reversed(self.region_slots):
-            if self._slot_free(s):
-                for b in self._slot_blocks(s):
-                    self._free_in.remove(b)
-                    self.kind[b] = Kind.ACTIVE
-                self._active.add(s)
-                c = self.counters
-                c.blocks_to_active += self.span
-                c.peak_active_blocks = max(c.peak_active_blocks, len(self._active) * self.span)
-                return s
-        return None
+        """A state slot whose ``span`` blocks are all free, or None: the region's highest, else
+        (its slots held by checkpoints that cannot go now, e.g. the one a hit is restoring from)
+        the highest aligned free run elsewhere."""
+        slots = [s for s in reversed(self.region_slots) if self._slot_free(s)]
+        if not slots:
+            slots = [s for s in range(self.region_slots.start - 1, 0, -1) if self._slot_free(s)][:1]
+        if not slots:
+            return None
+        s = slots[0]
+        pool = self._free_in if s in self.region_slots else self._free_out
+        for b in self._slot_blocks(s):
+            pool.remove(b)
+            self.kind[b] = Kind.ACTIVE
+        self._active.add(s)
+        c = self.counters
+        c.blocks_to_active += self.span
+        c.peak_active_blocks = max(c.peak_active_blocks, len(self._active) * self.span)
+        return s
 
     def active_victims(self) -> list[list[int]]:
         """For a state slot when none is whole and free: per region slot with no active state, the
@@ -500,8 +510,8 @@ class BlockLedger:
                 seen[b] = kind
         if not self._free_in <= self._region or self._free_out & self._region:
             raise LedgerError("the active region's free blocks are misfiled")
-        if any(b in self._region for b in self._kv_free) or not self._active <= set(self.region_slots):
-            raise LedgerError("KV or an active slot outside its place")
+        if any(b in self._region for b in self._kv_free) or 0 in self._active:
+            raise LedgerError("KV in the active region, or an active state on the padding target")
         for b, k in enumerate(self.kind):
             if b < self.geom.reserved_blocks:
                 if k != Kind.RESERVED or b in seen:

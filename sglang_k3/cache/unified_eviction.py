@@ -47,7 +47,9 @@ class UnifiedEviction:
     def for_active(self, want: int) -> Freed:
         """Until ``want`` state slots are whole and free, or no more can be: KV never enters the
         active region, so a slot is held only by checkpoints that borrowed its blocks; those of
-        the slot that holds the fewest go (a pinned or unlanded one keeps its slot)."""
+        the slot that holds the fewest go. A pinned or unlanded checkpoint keeps its slot (the
+        hit being restored may sit in the last one): then KV and checkpoints elsewhere go by
+        value, whole aligned runs at a time, until a run of ``span`` blocks is free there."""
         led, total = self.ledger, Freed()
         for handles in led.active_victims():
             if led.free_slots() >= want:
@@ -56,4 +58,13 @@ class UnifiedEviction:
                 freed = self.lifecycle.evict_handles(handles)
                 led.note_reclaim(freed.checkpoint_bytes, 0)
                 total.extend(freed)
+        if led.free_slots() < want:  # the region's borrowers cannot go now: free a run elsewhere, by value
+            freed = self.lifecycle.evict_until(
+                lambda: led.free_slots() >= want,
+                led.span * led.geom.block_bytes,
+                keep_checkpoints=self.keep_checkpoints,
+                group=lambda ck: led.block_of_checkpoint(ck) // led.span,
+            )
+            led.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
+            total.extend(freed)
         return total
