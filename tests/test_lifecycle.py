@@ -275,3 +275,35 @@ def test_one_state_per_turn_keeps_states_with_evidence_of_forks():
     positions = [p for p, _ in _positions(lc, turn2)]
     assert 302 not in positions and 300 in positions and 305 in positions
     lc.tree.check_invariants()
+
+
+def test_the_repeat_state_stays_superseded_and_goes_first():
+    """The state a repeat of the prompt restores from (the deepest one inside the prompt) stays
+    when the generation end supersedes the turn, marked superseded: a repeat still hits it, and
+    under pressure it goes before any priced state; a hit clears the mark."""
+    lc, store, _ = _lc()
+    key = list(range(300))
+    lc.match("a", key, admit=True, prompt_len=300)
+    ins = lc.insert(key, range(300))
+    lc.checkpoint_running("a", ins.node, 256, active_slot=1, kind=K.PROMPT_END)  # the exported grid point
+    lc.checkpoint_running("a", ins.node, 300, active_slot=1)
+    full = key + [900, 901]
+    ins = lc.insert(full, range(302))
+    lc.finish(ins.node, 302, 302, active_slot=1, rid="a")
+    lc.release("a")
+    cks = {c.pos: c for c in lc.tree.path_checkpoints(ins.node)}
+    assert sorted(cks) == [256, 302] and cks[256].superseded and not cks[302].superseded
+    assert lc.match(None, key, admit=False).restore_len == 256  # a repeat of the prompt still hits
+    lc.evict_until(lambda: lc.tree.checkpoint_count() < 2, step_bytes=1)
+    assert [c.pos for c in lc.tree.checkpoints()] == [302]  # the superseded one went first
+    # a hit clears the mark
+    lc2, _, _ = _lc()
+    lc2.match("a", key, admit=True, prompt_len=300)
+    n = lc2.insert(key, range(300)).node
+    lc2.checkpoint_running("a", n, 256, active_slot=1, kind=K.PROMPT_END)
+    lc2.finish(lc2.insert(full, range(302)).node, 302, 302, active_slot=1, rid="a")
+    lc2.release("a")
+    lc2.match("b", key, admit=True, prompt_len=300)
+    assert not next(c for c in lc2.tree.checkpoints() if c.pos == 256).superseded
+    lc2.release("b")
+    lc2.tree.check_invariants()

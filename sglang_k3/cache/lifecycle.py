@@ -327,10 +327,21 @@ class CacheLifecycle:
                 or (rec.repeat and ck.kind & CheckpointKind.PROMPT_END)
             ):
                 continue
+            if ck.kind & CheckpointKind.PROMPT_END and self._repeat_state(rec, ck):
+                ck.superseded = True  # kept for a repeat of this prompt, but the first to go
+                continue
             freed.extend(self.tree.drop_checkpoint(ck, DropReason.RECYCLED))
         rec.placed = [ck for ck in rec.placed if ck.node is not None]
         self.tree.stats.recycled_checkpoints += freed.checkpoints
         self._apply(freed)
+
+    def _repeat_state(self, rec: RequestRecord, ck: Checkpoint) -> bool:
+        """The state an identical or contained prompt restores from: the deepest one strictly
+        inside the prompt (a lookup is capped one token short of the key, so the prompt-end state
+        itself never serves the same prompt again)."""
+        if not self.placement.keep_repeat_state or rec.prompt_len is None or ck.pos >= rec.prompt_len:
+            return False
+        return not any(c.node is not None and ck.pos < c.pos < rec.prompt_len for c in rec.placed)
 
     # ------------------------------------------------------------------ one store call per step
     def begin_store_scope(self) -> None:

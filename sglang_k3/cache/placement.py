@@ -26,6 +26,7 @@ class PlacementPolicy:
     per_path_budget: Optional[int] = 8  # checkpoints kept on one root-to-leaf path; None: no cap
     recycle_superseded: bool = True
     drop_superseded: bool = True  # one state per turn: see CacheLifecycle._drop_superseded
+    keep_repeat_state: bool = True  # ... but keep the state a repeat of the same prompt restores from
 
     def _align(self, pos: int) -> int:
         return pos // self.hit_unit * self.hit_unit

@@ -201,6 +201,7 @@ class K3RadixTree:
             best.last_access = now
             if pin:
                 best.hits += 1
+                best.superseded = False  # a hit: it serves more than a repeat that may never come
                 best.pins += 1
                 self.inc_lock_ref(best.node)  # type: ignore[arg-type]
                 res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
@@ -468,17 +469,20 @@ class K3RadixTree:
 
     def _evict_checkpoints(self, need: int) -> Freed:
         freed = Freed()
+        got = self._evict_superseded(need, freed, 0, None)
+        rest = Freed()
         cands = [
             Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
             for c in self._ckpts.values()
             if self._ckpt_evictable(c)
         ]
-        for cand in rank(cands, self.policy.alpha):
-            if freed.checkpoint_bytes >= need:
+        for cand in rank(cands, self.policy.alpha) if got < need else []:
+            if got + rest.checkpoint_bytes >= need:
                 break
-            freed.extend(self.drop_checkpoint(cand.obj, DropReason.EVICTED))  # type: ignore[arg-type]
-        self.stats.evicted_checkpoints += freed.checkpoints
-        self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
+            rest.extend(self.drop_checkpoint(cand.obj, DropReason.EVICTED))  # type: ignore[arg-type]
+        self.stats.evicted_checkpoints += rest.checkpoints
+        self.stats.evicted_checkpoint_bytes += rest.checkpoint_bytes
+        freed.extend(rest)
         return freed
 
     def _leaves(self) -> list[Node]:
@@ -547,6 +551,8 @@ class K3RadixTree:
         leaves = [n for n in self._leaves() if n.lock_ref == 0]
         self._trim_dead_tails(leaves, freed, lambda: self.policy.kv_bytes(len(freed.kv_indices)) >= need_bytes)
         got = self.policy.kv_bytes(len(freed.kv_indices))
+        if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
+            got += self._evict_superseded(need_bytes - got, freed, keep_checkpoints, group)
         cands = []
         if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
             each = [
@@ -587,6 +593,34 @@ class K3RadixTree:
                 freed.extend(f)
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
+
+    def _evict_superseded(
+        self, need: int, freed: Freed, keep: int, group: Optional[Callable[[Checkpoint], int]]
+    ) -> int:
+        """Superseded checkpoints (each serves only a repeat of its prompt) go before anything
+        priced, least recently used first; with ``group``, only whole groups (a group's other
+        checkpoints go along only if they are superseded too). Returns the bytes freed."""
+        sup = sorted(
+            (c for c in self._ckpts.values() if c.superseded and self._ckpt_evictable(c)), key=lambda c: c.last_access
+        )
+        if group is not None:
+            held = {}
+            for c in self._ckpts.values():
+                held[group(c)] = held.get(group(c), 0) + 1
+            ok = {}
+            for c in sup:
+                ok[group(c)] = ok.get(group(c), 0) + 1
+            sup = [c for c in sup if ok[group(c)] == held[group(c)]]
+        got = 0
+        for ck in sup:
+            if got >= need or self.checkpoint_count() <= keep:
+                break
+            f = self.drop_checkpoint(ck, DropReason.EVICTED)
+            self.stats.evicted_checkpoints += 1
+            self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+            got += f.checkpoint_bytes
+            freed.extend(f)
+        return got
 
     def _kv_freed_with(self, ck: Checkpoint) -> int:
         """KV bytes that dropping ``ck`` lets go: the tail of an unlocked leaf past the checkpoint
