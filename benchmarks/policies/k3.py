@@ -18,8 +18,8 @@ server's cache calls, in the server's order:
 
 Memory, as the server holds it by default (unified memory, ``--k3-checkpoint-dtype int8``): the
 budget is one :class:`~sglang_k3.cache.block_ledger.BlockLedger`, cut by the server's own
-``plan_geometry`` into blocks that hold one fp32 active state, or ``ckpt_per_block`` checkpoints,
-or ``kv_per_block`` symbols of MLA KV. KV symbols, checkpoint handles and active slots are the
+``plan_geometry`` into blocks that hold ``ckpt_per_block`` checkpoints or ``kv_per_block`` symbols
+of MLA KV (an fp32 active state spans ``active_span`` blocks). KV symbols, checkpoint handles and active slots are the
 ledger's indices, so block packing, the checkpoint stride's padding and fragmentation are modelled,
 not assumed away. A shortage of any kind evicts KV and checkpoints together by value until the
 ledger has room (``CacheLifecycle.evict_until``), as the server's cache does. Active states of
