@@ -9,7 +9,8 @@ views (``UnifiedBuffer``) and ledger. For each checkpoint dtype (int8, bf16, fp3
 * 8 active states are stored into checkpoints and restored into 8 other active slots by the Triton
   kernels, through the strided views; the restored states are compared with the same store/restore
   done by the pure-torch reference on contiguous CPU tensors;
-* every byte the operations may not touch (KV tokens, other blocks) is compared before and after;
+* every byte the operations may not touch (KV tokens, other blocks) is compared before and after
+  (a state slot spans ``active_span`` blocks: the geometry sizes blocks for a checkpoint);
 * store and restore device time (CUDA events, median of 20) through the views is set against the
   same kernels on a contiguous pool of their own.
 
@@ -85,7 +86,12 @@ def run(dtype: str, budget: int) -> dict:
         slots=LedgerSlots(led),
     )
     handles = pool.alloc(N)
-    owned = set(src + dst) | {h // geom.ckpt_per_block for h in handles}
+    span = geom.active_span  # a state slot is ``span`` blocks
+
+    def slot_blocks(slots):
+        return {b for s in slots for b in range(s * span, (s + 1) * span)}
+
+    owned = slot_blocks(src + dst) | {h // geom.ckpt_per_block for h in handles}
     before = buf.raw.clone()
     res = pool.store(src, handles)
     assert res.all_ok
@@ -94,7 +100,7 @@ def run(dtype: str, budget: int) -> dict:
         torch.cuda.synchronize()
     # bytes outside the written blocks (dst slots, checkpoint blocks) are untouched
     blocks_b, blocks_a = before.view(geom.num_blocks, -1), buf.raw.view(geom.num_blocks, -1)
-    written = {h // geom.ckpt_per_block for h in handles} | set(dst)
+    written = {h // geom.ckpt_per_block for h in handles} | slot_blocks(dst)
     untouched = [b for b in range(geom.num_blocks) if b not in written]
     others_equal = bool(torch.equal(blocks_b[untouched], blocks_a[untouched]))
     # the torch reference on contiguous CPU tensors
@@ -142,6 +148,7 @@ def run(dtype: str, budget: int) -> dict:
             "checkpoints_per_block": geom.ckpt_per_block,
             "checkpoint_bytes": ck.nbytes,
             "checkpoint_stride": geom.ckpt_stride,
+            "active_span_blocks": geom.active_span,
         },
         "restored_vs_torch_reference_max_abs_diff": max_t,
         "restored_conv_equal": conv_equal,
