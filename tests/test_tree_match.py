@@ -150,3 +150,18 @@ def test_stats_track_hit_rate_and_replay():
     assert s.lookups == 2 and s.hit_tokens == 896 and s.replayed_tokens == 104
     assert s.token_hit_rate == pytest.approx(896 / 2002)
     assert s.checkpoints == 1 and s.checkpoint_bytes == 10
+
+
+def test_touch_refreshes_what_a_match_would_restore_without_pinning_or_counting():
+    tree = K3RadixTree(num_groups=1, hit_unit=1)
+    a, b = list(range(100)), [7] + list(range(1, 100))
+    na = tree.insert(a, list(range(100))).node
+    nb = tree.insert(b, list(range(100, 200))).node
+    ca = tree.add_checkpoint(na, 100, [1], 10, kind=CheckpointKind.GEN_END, ready=True)
+    cb = tree.add_checkpoint(nb, 100, [2], 10, kind=CheckpointKind.GEN_END, ready=True)
+    lookups = tree.stats.as_dict()
+    assert ca.last_access < cb.last_access
+    assert tree.touch(a + [5]) == 100
+    assert ca.last_access > cb.last_access and na.last_access > nb.last_access
+    assert ca.pins == 0 and ca.hits == 0 and tree.stats.as_dict() == lookups
+    tree.check_invariants()

@@ -167,10 +167,7 @@ class K3RadixTree:
             node = child
         return path, pos
 
-    def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
-        """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
-        path, mla_len = self._walk(key)
-        cap = min(mla_len, len(key) - 1)
+    def _best_checkpoint(self, path: list[Node], cap: int) -> Optional[Checkpoint]:
         best: Optional[Checkpoint] = None
         for node in reversed(path):
             for ck in node.checkpoints.values():
@@ -178,6 +175,27 @@ class K3RadixTree:
                     best = ck
             if best is not None:
                 break  # checkpoints on deeper nodes always sit at larger positions
+        return best
+
+    def touch(self, key: Sequence[int]) -> int:
+        """Make ``key``'s cached path and the checkpoint a match would restore from the most
+        recently used, as a lookup would, without pinning or counting a lookup (a waiting
+        request's refresh: it is about to be matched, so what it will hit should not be evicted
+        first). Returns the restore length it would get."""
+        path, mla_len = self._walk(key)
+        best = self._best_checkpoint(path, min(mla_len, len(key) - 1))
+        now = self._tick()
+        for node in path:
+            node.last_access = now
+        if best is not None:
+            best.last_access = now
+        return best.pos if best is not None else 0
+
+    def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
+        """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
+        path, mla_len = self._walk(key)
+        cap = min(mla_len, len(key) - 1)
+        best = self._best_checkpoint(path, cap)
         now = self._tick()
         for node in path:
             node.last_access = now

@@ -160,6 +160,14 @@ class K3RadixCache(BasePrefixCache):
             full_kv_hit_length=res.mla_len,
         )
 
+    def touch_prefix(self, key) -> None:
+        """SGLang refreshes the waiting queue's prefixes (head last) so that LRU eviction spares
+        what the next requests will hit (``SchedulePolicy._touch_waiting_prefixes``, every 32
+        scheduling calls, on by default): bump the path and the checkpoint a match would restore."""
+        if key.extra_key is not None or key.cache_salt is not None or len(key) == 0:
+            return
+        self.tree.touch(list(key.raw_token_ids()))
+
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``handle`` when its
         next forward reads it (the checkpoint stays pinned until then)."""
