@@ -36,6 +36,7 @@ class K3Config:
     min_kv_tokens: int = 0  # unified: checkpoints never take memory KV needs for this many tokens
     min_checkpoints: int = 0  # unified: KV and state pressure never evict checkpoints below this
     max_checkpoints: int = 0  # unified: at most this many checkpoints (0: no cap)
+    eviction_alpha: float = 1.0  # weight of FLOPs saved per byte against recency in eviction
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
@@ -51,6 +52,8 @@ class K3Config:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+        if not (self.eviction_alpha >= 0 and self.eviction_alpha < float("inf")):
+            raise ValueError(f"eviction_alpha must be a finite number >= 0 (got {self.eviction_alpha})")
         if self.checkpoint_slots < 1:
             raise ValueError(f"checkpoint_slots must be >= 1 (got {self.checkpoint_slots})")
         if self.max_checkpoints and self.min_checkpoints > self.max_checkpoints:

@@ -307,3 +307,11 @@ def test_the_repeat_state_stays_superseded_and_goes_first():
     assert not next(c for c in lc2.tree.checkpoints() if c.pos == 256).superseded
     lc2.release("b")
     lc2.tree.check_invariants()
+
+
+def test_eviction_alpha_comes_from_the_config():
+    lc, _, _ = _lc(eviction_alpha=0.0)
+    assert lc.tree.policy.alpha == 0.0
+    assert _lc()[0].tree.policy.alpha == 1.0
+    with pytest.raises(ValueError, match="eviction_alpha"):
+        K3Config(eviction_alpha=-1.0)

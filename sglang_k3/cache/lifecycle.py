@@ -28,6 +28,7 @@ write has been issued (``_land``). Stores run at once, or, inside a store scope
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -537,5 +538,7 @@ def build_tree(eviction: EvictionPolicy) -> K3RadixTree:
 def build_lifecycle(
     cfg, store: CheckpointStore, eviction: EvictionPolicy, free_kv: Callable[[list[int]], None], unit: int = 1
 ) -> CacheLifecycle:
-    """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config``."""
+    """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
+    host gives the eviction policy its cost model; the config gives it its alpha)."""
+    eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
     return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv)
