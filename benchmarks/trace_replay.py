@@ -218,7 +218,7 @@ def build_records(args, results) -> list:
                 baseline_state_dtype=args.baseline_state_dtype,
                 state_dtype=(
                     args.checkpoint_dtype
-                    if p in ("k3", "k3-fixed", "marconi")
+                    if p in ("k3", "k3-fixed", "k3-alpha0", "marconi")
                     else "int8"
                     if p == "upstream-int8"
                     else args.baseline_state_dtype
@@ -284,7 +284,8 @@ def parse_args(argv=None):
         epilog="Policies: k3 (ours, exactly as launch_server ships it: the server's request "
         "lifecycle built from its default K3Config, int8 checkpoints and MLA KV in one "
         "unified budget cut into the server's blocks), k3-fixed (--k3-no-unified-memory: "
-        "checkpoints in their own pool of --k3-checkpoint-slots, KV in the rest), upstream "
+        "checkpoints in their own pool of --k3-checkpoint-slots, KV in the rest), k3-alpha0 (a tuned "
+        "variant, not the default: --k3-eviction-alpha 0), upstream "
         "(SGLang 0.5.23 hybrid cache, its default fp32 states), upstream-int8 (the same with its "
         "opt-in --enable-int8-mamba-checkpoint: a separate int8 state pool of 2x its state slots, "
         "outside the budget), vllm-align (vLLM align mode: states at prefill chunk ends and decode "

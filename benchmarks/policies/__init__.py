@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.policies.base import Admission, Policy, SimConfig
 from benchmarks.policies.fa_budget import FaBudgetPolicy
-from benchmarks.policies.k3 import K3FixedPolicy, K3Policy
+from benchmarks.policies.k3 import K3Alpha0Policy, K3FixedPolicy, K3Policy
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
 from benchmarks.policies.upstream import UpstreamInt8Policy, UpstreamPolicy
@@ -14,6 +14,7 @@ from benchmarks.policies.vllm_align import VllmAlignPolicy
 POLICIES = {
     "k3": K3Policy,
     "k3-fixed": K3FixedPolicy,
+    "k3-alpha0": K3Alpha0Policy,
     "upstream": UpstreamPolicy,
     "upstream-int8": UpstreamInt8Policy,
     "vllm-align": VllmAlignPolicy,

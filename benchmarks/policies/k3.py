@@ -351,6 +351,18 @@ class K3Policy(Policy):
         return out
 
 
+class K3Alpha0Policy(K3Policy):
+    """``--k3-eviction-alpha 0`` (a tuned variant, not the default): eviction by recency alone,
+    after dead KV tails and superseded states. What Marconi's own bootstrap picks at 40-80 GiB on
+    the conversation trace."""
+
+    name = "k3-alpha0"
+
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
+        base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
+        super().__init__(cfg, budget_bytes, dataclasses.replace(base, eviction_alpha=0.0))
+
+
 class K3FixedPolicy(K3Policy):
     """``--k3-no-unified-memory``: a checkpoint pool of ``--k3-checkpoint-slots`` of its own, KV in
     the rest of the budget (the layout before unified memory; not the default)."""
