@@ -46,7 +46,6 @@ import dataclasses
 from benchmarks.policies.base import ScaledCost, SimConfig
 from benchmarks.policies.placement_tree import PlacementTreePolicy, scaled_placement
 from sglang_k3.cache import EvictionPolicy, PlacementPolicy
-from sglang_k3.cache.results import DropReason
 
 ALPHAS = tuple(round(0.1 * k, 1) for k in range(21))  # CT:61
 BOOTSTRAP_MULTIPLIER = 5  # RC:84
@@ -162,8 +161,7 @@ class MarconiPolicy(PlacementTreePolicy):
         k = min(range(len(cands)), key=lambda i: (self.alpha * eff[i] + rec[i], i))
         ck = cands[k]
         node = ck.node
-        tree.drop_checkpoint(ck, DropReason.EVICTED)
-        tree.stats.evicted_checkpoints += 1
+        tree.evict_checkpoint(ck)
         while node is not None and node.parent is not None and node.is_leaf and not node.lock_ref:
             parent = node.parent
             if not tree.trim_dead_tail(node).kv_indices or node.parent is not None:

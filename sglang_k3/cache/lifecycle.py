@@ -311,7 +311,7 @@ class CacheLifecycle:
         regeneration of that prompt hits). Measured on the conversation trace in
         ``benchmarks/results/trace_replay``; the placement flag ``drop_superseded`` turns it off."""
         rec = self.requests.get(rid)
-        if rec is None or not any(ck.pos == up_to for ck in self.tree.path_checkpoints(node)):
+        if rec is None or not self.has_checkpoint_at(node, up_to):
             return  # no state at the generation end: nothing supersedes the earlier ones
         freed = Freed()
         own = [(ck, 0) for ck in rec.placed]
@@ -460,9 +460,7 @@ class CacheLifecycle:
         self._release_done_pins()
         freed = Freed()
         for ck in cks.values():
-            freed.extend(self.tree.drop_checkpoint(ck, DropReason.EVICTED))
-        self.tree.stats.evicted_checkpoints += freed.checkpoints
-        self.tree.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
+            freed.extend(self.tree.evict_checkpoint(ck))
         return self._apply(freed)
 
     def evict_until(

@@ -40,6 +40,7 @@ Design
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.eviction import Candidate, EvictionPolicy, rank
@@ -132,7 +133,7 @@ class K3RadixTree:
         return self.stats.checkpoint_bytes
 
     def evictable_checkpoint_bytes(self) -> int:
-        return sum(c.nbytes for c in self._ckpts.values() if self._ckpt_evictable(c))
+        return sum(c.nbytes for c in self._ckpts.values() if self.checkpoint_evictable(c))
 
     def checkpoints(self) -> list[Checkpoint]:
         return list(self._ckpts.values())
@@ -177,28 +178,30 @@ class K3RadixTree:
                 break  # checkpoints on deeper nodes always sit at larger positions
         return best
 
-    def touch(self, key: Sequence[int]) -> int:
-        """Make ``key``'s cached path and the checkpoint a match would restore from the most
-        recently used, as a lookup would, without pinning or counting a lookup (a waiting
-        request's refresh: it is about to be matched, so what it will hit should not be evicted
-        first). Returns the restore length it would get."""
-        path, mla_len = self._walk(key)
-        best = self._best_checkpoint(path, min(mla_len, len(key) - 1))
-        now = self._tick()
-        for node in path:
-            node.last_access = now
-        if best is not None:
-            best.last_access = now
-        return best.pos if best is not None else 0
-
-    def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
-        """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
+    def _lookup(self, key: Sequence[int]) -> tuple[list[Node], int, int, Optional[Checkpoint], int]:
+        """Both phases, and the path and the checkpoint found become the most recently used:
+        ``(path, mla_len, cap, best, now)``."""
         path, mla_len = self._walk(key)
         cap = min(mla_len, len(key) - 1)
         best = self._best_checkpoint(path, cap)
         now = self._tick()
         for node in path:
             node.last_access = now
+        if best is not None:
+            best.last_access = now
+        return path, mla_len, cap, best, now
+
+    def touch(self, key: Sequence[int]) -> int:
+        """Make ``key``'s cached path and the checkpoint a match would restore from the most
+        recently used, as a lookup would, without pinning or counting a lookup (a waiting
+        request's refresh: it is about to be matched, so what it will hit should not be evicted
+        first). Returns the restore length it would get."""
+        best = self._lookup(key)[3]
+        return best.pos if best is not None else 0
+
+    def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
+        """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
+        path, mla_len, cap, best, now = self._lookup(key)
         restore = best.pos if best is not None else 0
         kv: list[int] = []
         for node in path:
@@ -215,14 +218,12 @@ class K3RadixTree:
             kv_cow_tokens=restore % self.page_size,
             replayed_tokens=max(0, cap - restore),
         )
-        if best is not None:
-            best.last_access = now
-            if pin:
-                best.hits += 1
-                best.superseded = False  # a hit: it serves more than a repeat that may never come
-                best.pins += 1
-                self.inc_lock_ref(best.node)  # type: ignore[arg-type]
-                res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
+        if best is not None and pin:
+            best.hits += 1
+            best.superseded = False  # a hit: it serves more than a repeat that may never come
+            best.pins += 1
+            self.inc_lock_ref(best.node)  # type: ignore[arg-type]
+            res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
         self.stats.record_match(MatchRecord(len(key), mla_len, restore, res.replayed_tokens))
         return res
 
@@ -416,9 +417,6 @@ class K3RadixTree:
 
     def checkpoint_evictable(self, ck: Checkpoint) -> bool:
         """Not pinned, landed, in the tree, and not protected by a lock on its path."""
-        return self._ckpt_evictable(ck)
-
-    def _ckpt_evictable(self, ck: Checkpoint) -> bool:
         if ck.pins or not ck.ready or ck.node is None:
             return False
         return ck.node.lock_ref == 0 or not self.lock_protects_checkpoints
@@ -464,10 +462,6 @@ class K3RadixTree:
     # ------------------------------------------------------------------ eviction
     def saved_flops(self, ck: Checkpoint) -> float:
         """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
-        return self._saved_flops(ck)
-
-    def _saved_flops(self, ck: Checkpoint) -> float:
-        """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
         prev = 0
         for n in self._path(ck.node):  # type: ignore[arg-type]
             earlier = [q for q in n.checkpoints if q < ck.pos]
@@ -485,22 +479,29 @@ class K3RadixTree:
             freed.extend(self._evict_kv(num_tokens))
         return freed
 
+    def evict_checkpoint(self, ck: Checkpoint) -> Freed:
+        """Drop ``ck`` as an eviction (every group; its KV stays) and count it."""
+        freed = self.drop_checkpoint(ck, DropReason.EVICTED)
+        self.stats.evicted_checkpoints += 1
+        self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
+        return freed
+
     def _evict_checkpoints(self, need: int) -> Freed:
         freed = Freed()
         got = self._evict_superseded(need, freed, 0, None)
-        rest = Freed()
+        if got >= need:
+            return freed
         cands = [
-            Candidate(c, c.last_access, self._saved_flops(c), c.nbytes)
+            Candidate(c, c.last_access, self.saved_flops(c), c.nbytes)
             for c in self._ckpts.values()
-            if self._ckpt_evictable(c)
+            if self.checkpoint_evictable(c)
         ]
-        for cand in rank(cands, self.policy.alpha) if got < need else []:
-            if got + rest.checkpoint_bytes >= need:
+        for cand in rank(cands, self.policy.alpha):
+            if got >= need:
                 break
-            rest.extend(self.drop_checkpoint(cand.obj, DropReason.EVICTED))  # type: ignore[arg-type]
-        self.stats.evicted_checkpoints += rest.checkpoints
-        self.stats.evicted_checkpoint_bytes += rest.checkpoint_bytes
-        freed.extend(rest)
+            f = self.evict_checkpoint(cand.obj)  # type: ignore[arg-type]
+            got += f.checkpoint_bytes
+            freed.extend(f)
         return freed
 
     def _leaves(self) -> list[Node]:
@@ -526,14 +527,14 @@ class K3RadixTree:
             leaves = [n for n in self._leaves() if n.lock_ref == 0]
             if self._trim_dead_tails(leaves, freed, lambda: len(freed.kv_indices) >= need):
                 continue
-            whole = [n for n in leaves if all(self._ckpt_evictable(c) for c in n.checkpoints.values())]
+            whole = [n for n in leaves if all(self.checkpoint_evictable(c) for c in n.checkpoints.values())]
             if not whole:
                 break
             cands = [
                 Candidate(
                     n,
                     n.last_access,
-                    sum(self._saved_flops(c) for c in n.checkpoints.values()),
+                    sum(self.saved_flops(c) for c in n.checkpoints.values()),
                     self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes(),
                 )
                 for n in whole
@@ -543,10 +544,7 @@ class K3RadixTree:
                     break
                 leaf: Node = cand.obj  # type: ignore[assignment]
                 for ck in list(leaf.checkpoints.values()):
-                    f = self.drop_checkpoint(ck, DropReason.EVICTED)
-                    self.stats.evicted_checkpoints += 1
-                    self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
-                    freed.extend(f)
+                    freed.extend(self.evict_checkpoint(ck))
                 freed.extend(self._trim_leaf(leaf, leaf.start))
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
@@ -574,14 +572,14 @@ class K3RadixTree:
         cands = []
         if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
             each = [
-                Candidate([c], c.last_access, self._saved_flops(c), c.nbytes + self._kv_freed_with(c))
+                Candidate([c], c.last_access, self.saved_flops(c), c.nbytes + self._kv_freed_with(c))
                 for c in self._ckpts.values()
-                if self._ckpt_evictable(c)
+                if self.checkpoint_evictable(c)
             ]
             if group is None:
                 cands = each
             else:
-                blocked = {group(c) for c in self._ckpts.values() if not self._ckpt_evictable(c)}
+                blocked = {group(c) for c in self._ckpts.values() if not self.checkpoint_evictable(c)}
                 by: dict[int, list[Candidate]] = {}
                 for cand in each:
                     by.setdefault(group(cand.obj[0]), []).append(cand)
@@ -602,9 +600,7 @@ class K3RadixTree:
                 node = ck.node
                 if node is None or self.checkpoint_count() <= keep_checkpoints:
                     continue
-                f = self.drop_checkpoint(ck, DropReason.EVICTED)
-                self.stats.evicted_checkpoints += 1
-                self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+                f = self.evict_checkpoint(ck)
                 if node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
                     f.extend(self._trim_leaf(node, self._keep_end(node)))  # the KV it kept alive
                 got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
@@ -619,23 +615,17 @@ class K3RadixTree:
         priced, least recently used first; with ``group``, only whole groups (a group's other
         checkpoints go along only if they are superseded too). Returns the bytes freed."""
         sup = sorted(
-            (c for c in self._ckpts.values() if c.superseded and self._ckpt_evictable(c)), key=lambda c: c.last_access
+            (c for c in self._ckpts.values() if c.superseded and self.checkpoint_evictable(c)),
+            key=lambda c: c.last_access,
         )
         if group is not None:
-            held = {}
-            for c in self._ckpts.values():
-                held[group(c)] = held.get(group(c), 0) + 1
-            ok = {}
-            for c in sup:
-                ok[group(c)] = ok.get(group(c), 0) + 1
+            held, ok = Counter(map(group, self._ckpts.values())), Counter(map(group, sup))
             sup = [c for c in sup if ok[group(c)] == held[group(c)]]
         got = 0
         for ck in sup:
             if got >= need or self.checkpoint_count() <= keep:
                 break
-            f = self.drop_checkpoint(ck, DropReason.EVICTED)
-            self.stats.evicted_checkpoints += 1
-            self.stats.evicted_checkpoint_bytes += f.checkpoint_bytes
+            f = self.evict_checkpoint(ck)
             got += f.checkpoint_bytes
             freed.extend(f)
         return got
