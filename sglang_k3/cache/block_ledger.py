@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from itertools import islice
+from typing import Iterable, Iterator, Optional
 
 
 class Kind(enum.IntEnum):
@@ -246,11 +247,17 @@ class BlockLedger:
     def active_count(self) -> int:
         return len(self._active)
 
-    def free_slots(self) -> int:
-        """Active slots allocatable without evicting: the region's whole free slots, then any other
-        aligned run of ``span`` free blocks."""
-        outside = range(1, self.region_slots.start)
-        return sum(1 for s in self.region_slots if self._slot_free(s)) + sum(1 for s in outside if self._slot_free(s))
+    def _free_slot_runs(self) -> Iterator[int]:
+        """Slots allocatable without evicting, in the order :meth:`active_alloc` takes them: the
+        region's whole free slots, highest first, then any other aligned run of ``span`` free
+        blocks, highest first."""
+        for slots in (reversed(self.region_slots), range(self.region_slots.start - 1, 0, -1)):
+            yield from (s for s in slots if self._slot_free(s))
+
+    def free_slots(self, limit: Optional[int] = None) -> int:
+        """How many active slots are allocatable without evicting (counting stops at ``limit``:
+        callers that only compare with a count need not scan the whole buffer)."""
+        return sum(1 for _ in islice(self._free_slot_runs(), limit))
 
     def _slot_blocks(self, slot: int) -> range:
         return range(slot * self.span, (slot + 1) * self.span)
@@ -359,12 +366,9 @@ class BlockLedger:
         """A state slot whose ``span`` blocks are all free, or None: the region's highest, else
         (its slots held by checkpoints that cannot go now, e.g. the one a hit is restoring from)
         the highest aligned free run elsewhere."""
-        slots = [s for s in reversed(self.region_slots) if self._slot_free(s)]
-        if not slots:
-            slots = [s for s in range(self.region_slots.start - 1, 0, -1) if self._slot_free(s)][:1]
-        if not slots:
+        s = next(self._free_slot_runs(), None)
+        if s is None:
             return None
-        s = slots[0]
         pool = self._free_in if s in self.region_slots else self._free_out
         for b in self._slot_blocks(s):
             pool.remove(b)

@@ -21,13 +21,13 @@ class UnifiedEviction:
         self.lifecycle, self.ledger = lifecycle, ledger
         self.keep_checkpoints = keep_checkpoints  # --k3-min-checkpoints: KV and slot pressure stop here
 
-    def _until(self, done, step_bytes: int, whole_blocks: bool) -> Freed:
+    def _until(self, done, step_bytes: int, group=None) -> Freed:
+        """Evict by value until ``done()``. ``group``: checkpoints that only free memory together
+        (a block's, or a state slot's run of blocks) go together; when whole blocks are wanted,
+        the ``--k3-min-checkpoints`` floor holds too."""
         led = self.ledger
         freed = self.lifecycle.evict_until(
-            done,
-            step_bytes,
-            keep_checkpoints=self.keep_checkpoints if whole_blocks else 0,
-            group=led.block_of_checkpoint if whole_blocks else None,
+            done, step_bytes, keep_checkpoints=self.keep_checkpoints if group else 0, group=group
         )
         led.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
         return freed
@@ -37,12 +37,14 @@ class UnifiedEviction:
         led = self.ledger
         if led.ckpt_at_cap():
             return self.lifecycle.evict(num_bytes=nbytes)
-        return self._until(led.ckpt_has_room, led.geom.block_bytes, whole_blocks=False)
+        return self._until(led.ckpt_has_room, led.geom.block_bytes)
 
     def for_kv(self, target: int, step_tokens: int) -> Freed:
         """Until ``target`` KV entries are allocatable, about ``step_tokens`` at a time."""
         led = self.ledger
-        return self._until(lambda: led.kv_available() >= target, step_tokens * led.geom.kv_token_bytes, True)
+        return self._until(
+            lambda: led.kv_available() >= target, step_tokens * led.geom.kv_token_bytes, led.block_of_checkpoint
+        )
 
     def for_active(self, want: int) -> Freed:
         """Until ``want`` state slots are whole and free, or no more can be: KV never enters the
@@ -51,20 +53,19 @@ class UnifiedEviction:
         hit being restored may sit in the last one): then KV and checkpoints elsewhere go by
         value, whole aligned runs at a time, until a run of ``span`` blocks is free there."""
         led, total = self.ledger, Freed()
+
+        def enough() -> bool:
+            return led.free_slots(limit=want) >= want
+
         for handles in led.active_victims():
-            if led.free_slots() >= want:
+            if enough():
                 break
             if handles:
                 freed = self.lifecycle.evict_handles(handles)
                 led.note_reclaim(freed.checkpoint_bytes, 0)
                 total.extend(freed)
-        if led.free_slots() < want:  # the region's borrowers cannot go now: free a run elsewhere, by value
-            freed = self.lifecycle.evict_until(
-                lambda: led.free_slots() >= want,
-                led.span * led.geom.block_bytes,
-                keep_checkpoints=self.keep_checkpoints,
-                group=lambda ck: led.block_of_checkpoint(ck) // led.span,
+        if not enough():  # the region's borrowers cannot go now: free a run elsewhere, by value
+            total.extend(
+                self._until(enough, led.span * led.geom.block_bytes, lambda ck: led.block_of_checkpoint(ck) // led.span)
             )
-            led.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
-            total.extend(freed)
         return total

@@ -142,7 +142,8 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
         return self.ledger.active_reserve - self.ledger.active_count()
 
     def schedulable_available_size(self) -> int:
-        return min(self.available_size(), self.ledger.free_slots())
+        want = self.available_size()
+        return self.ledger.free_slots(limit=max(0, want))
 
     def _do_alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if need_size > self.schedulable_available_size():
@@ -153,7 +154,7 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         got = super().alloc(need_size)
         if got is None and self.evict_blocks is not None and need_size <= self.available_size():
-            self.evict_blocks(self.ledger.free_slots() + need_size)  # borrowing checkpoints go
+            self.evict_blocks(need_size)  # until need_size slots are free: borrowing checkpoints go
             got = self._do_alloc(need_size)
         return got
 
