@@ -410,6 +410,12 @@ def summary(g: GeneratedTrace, stats: Optional[dict]) -> str:
     return "\n".join(lines)
 
 
+def _range(g, name: str, lo: int, hi: int, what: str) -> None:
+    """``--NAME-min`` and ``--NAME-max``: an integer range (``what`` says what it draws and how)."""
+    g.add_argument(f"--{name}-min", type=int, default=lo, help=f"{what} from (default: %(default)s)")
+    g.add_argument(f"--{name}-max", type=int, default=hi, help="upper end of the range above (default: %(default)s)")
+
+
 # ------------------------------------------------------------------ CLI
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
@@ -445,8 +451,7 @@ def parse_args(argv=None):
         "and roots/fork prompts >= 1024 tokens (default: %(default)s)",
     )
     g.add_argument("--max-prompt", type=int, default=65536, help="no prompt is longer (default: %(default)s)")
-    g.add_argument("--output-min", type=int, default=100, help="output length, uniform from (default: %(default)s)")
-    g.add_argument("--output-max", type=int, default=800, help="upper end of the range above (default: %(default)s)")
+    _range(g, "output", 100, 800, "output length, uniform")
     g.add_argument(
         "--no-stats",
         action="store_true",
@@ -473,30 +478,12 @@ def parse_args(argv=None):
     g.add_argument(
         "--agent-prefixes", type=int, default=4, help="number of shared system/tool prefixes (default: %(default)s)"
     )
-    g.add_argument(
-        "--agent-prefix-min", type=int, default=4096, help="prefix tokens, whole blocks, from (default: %(default)s)"
-    )
-    g.add_argument(
-        "--agent-prefix-max", type=int, default=32768, help="upper end of the range above (default: %(default)s)"
-    )
-    g.add_argument(
-        "--agent-task-min",
-        type=int,
-        default=512,
-        help="task tokens after the prefix, log-uniform from (default: %(default)s)",
-    )
-    g.add_argument(
-        "--agent-task-max", type=int, default=4096, help="upper end of the range above (default: %(default)s)"
-    )
+    _range(g, "agent-prefix", 4096, 32768, "prefix tokens, whole blocks,")
+    _range(g, "agent-task", 512, 4096, "task tokens after the prefix, log-uniform")
     g.add_argument(
         "--agent-turns", type=int, default=8, help="tool-call turns per session, uniform 1.. (default: %(default)s)"
     )
-    g.add_argument(
-        "--tool-result-min", type=int, default=64, help="tool result tokens, log-uniform from (default: %(default)s)"
-    )
-    g.add_argument(
-        "--tool-result-max", type=int, default=4096, help="upper end of the range above (default: %(default)s)"
-    )
+    _range(g, "tool-result", 64, 4096, "tool result tokens, log-uniform")
     g.add_argument(
         "--tool-latency-s",
         type=float,
@@ -510,22 +497,8 @@ def parse_args(argv=None):
         default=1024,
         help="shared chat system prompt, whole blocks (default: %(default)s)",
     )
-    g.add_argument(
-        "--chat-first-min",
-        type=int,
-        default=512,
-        help="first / edited message tokens, log-uniform from (default: %(default)s)",
-    )
-    g.add_argument(
-        "--chat-first-max", type=int, default=8192, help="upper end of the range above (default: %(default)s)"
-    )
-    g.add_argument(
-        "--chat-msg-min",
-        type=int,
-        default=32,
-        help="later user message tokens, log-uniform from (default: %(default)s)",
-    )
-    g.add_argument("--chat-msg-max", type=int, default=2048, help="upper end of the range above (default: %(default)s)")
+    _range(g, "chat-first", 512, 8192, "first / edited message tokens, log-uniform")
+    _range(g, "chat-msg", 32, 2048, "later user message tokens, log-uniform")
     g.add_argument(
         "--chat-turns", type=int, default=12, help="requests per conversation, uniform 2.. (default: %(default)s)"
     )
@@ -539,21 +512,8 @@ def parse_args(argv=None):
     g = ap.add_argument_group("tot (tree of thought)")
     g.add_argument("--tot-branches", type=int, default=3, help="children per node (default: %(default)s)")
     g.add_argument("--tot-depth", type=int, default=2, help="levels of branching below the root (default: %(default)s)")
-    g.add_argument(
-        "--tot-root-min", type=int, default=1024, help="root prompt tokens, log-uniform from (default: %(default)s)"
-    )
-    g.add_argument(
-        "--tot-root-max", type=int, default=16384, help="upper end of the range above (default: %(default)s)"
-    )
-    g.add_argument(
-        "--tot-suffix-min",
-        type=int,
-        default=16,
-        help="branch instruction tokens, log-uniform from (default: %(default)s)",
-    )
-    g.add_argument(
-        "--tot-suffix-max", type=int, default=256, help="upper end of the range above (default: %(default)s)"
-    )
+    _range(g, "tot-root", 1024, 16384, "root prompt tokens, log-uniform")
+    _range(g, "tot-suffix", 16, 256, "branch instruction tokens, log-uniform")
     g.add_argument(
         "--tot-root-output-prob",
         type=float,
@@ -566,21 +526,8 @@ def parse_args(argv=None):
     )
     g = ap.add_argument_group("fork (SGLang frontend fork programs)")
     g.add_argument("--fork-n", type=int, default=4, help="parallel branches per fork (default: %(default)s)")
-    g.add_argument(
-        "--fork-prompt-min",
-        type=int,
-        default=1024,
-        help="shared program prompt tokens, log-uniform from (default: %(default)s)",
-    )
-    g.add_argument(
-        "--fork-prompt-max", type=int, default=16384, help="upper end of the range above (default: %(default)s)"
-    )
-    g.add_argument(
-        "--fork-suffix-min", type=int, default=16, help="branch suffix tokens, log-uniform from (default: %(default)s)"
-    )
-    g.add_argument(
-        "--fork-suffix-max", type=int, default=256, help="upper end of the range above (default: %(default)s)"
-    )
+    _range(g, "fork-prompt", 1024, 16384, "shared program prompt tokens, log-uniform")
+    _range(g, "fork-suffix", 16, 256, "branch suffix tokens, log-uniform")
     g.add_argument(
         "--fork-join-prob",
         type=float,
