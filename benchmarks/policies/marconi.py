@@ -126,11 +126,7 @@ class MarconiPolicy(PlacementTreePolicy):
             if not self.window:
                 self.window = BOOTSTRAP_MULTIPLIER * len(self.history)  # RC:469-472
             low = self.budget_bytes * (1.0 - self.cfg.evict_watermark)
-            dead = [n for n in tree._leaves() if n.lock_ref == 0]
-            for leaf in sorted(dead, key=lambda n: n.last_access):  # KV with no state after it
-                if self.kv_bytes() + tree.checkpoint_bytes() <= low:
-                    break
-                tree.trim_dead_tail(leaf)
+            tree.trim_dead_tails(lambda: self.kv_bytes() + tree.checkpoint_bytes() <= low)  # KV with no state after it
             while self.kv_bytes() + tree.checkpoint_bytes() > low:
                 if not self._evict_one():
                     break
@@ -142,7 +138,7 @@ class MarconiPolicy(PlacementTreePolicy):
         out = []
         for ck in tree.checkpoints():
             n = ck.node
-            if ck.pins or not ck.ready or n.lock_ref:
+            if not tree.checkpoint_evictable(ck):
                 continue
             if ck.pos == n.end and not n.is_leaf and tree.is_branch_point(ck):
                 continue  # a node with two or more children: not a candidate

@@ -650,6 +650,14 @@ class K3RadixTree:
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
         return freed
 
+    def trim_dead_tails(self, enough: Callable[[], bool]) -> Freed:
+        """Every unlocked leaf's KV past its last checkpoint, least recently used leaf first, until
+        ``enough()`` (:meth:`trim_dead_tail` for all leaves)."""
+        freed = Freed()
+        self._trim_dead_tails([n for n in self._leaves() if n.lock_ref == 0], freed, enough)
+        self.stats.evicted_kv_tokens += len(freed.kv_indices)
+        return freed
+
     def _trim_dead_tails(self, leaves: list[Node], freed: Freed, enough: Callable[[], bool]) -> bool:
         """KV past a leaf's last checkpoint cannot serve a restore: trim it, least recently used
         leaf first, into ``freed`` until ``enough()``. Returns whether any leaf had such KV."""
