@@ -381,7 +381,7 @@ class BlockLedger:
 
     def active_victims(self) -> list[list[int]]:
         """For a state slot when none is whole and free: per region slot with no active state, the
-        checkpoint handles that occupy it, fewest first. Evicting one list frees that slot."""
+        checkpoint handles that occupy it (the caller ranks them by value). Evicting one list frees that slot."""
         m = self.geom.ckpt_per_block
         out = []
         for s in self.region_slots:
@@ -395,7 +395,7 @@ class BlockLedger:
                 if sub not in self._ck_free[b]
             ]
             out.append(handles)
-        return sorted(out, key=len)
+        return out
 
     def active_free(self, s: int) -> None:
         if s not in self._active:

@@ -49,11 +49,14 @@ def _norm(values: Sequence[float]) -> list[float]:
 
 
 def rank(cands: Sequence[Candidate], alpha: float) -> list[Candidate]:
-    """Lowest utility first; ties broken by older access first (LRU), then by insertion order."""
+    """Lowest utility first; ties broken by lower FLOP efficiency first, then by older access
+    (LRU), then by insertion order. Efficiency breaks ties before recency because min-max
+    normalisation ties often: of two candidates, one newer and one more efficient, both score
+    exactly 1 at ``alpha = 1``, and recency is only a proxy for the value that efficiency prices."""
     if not cands:
         return []
     rec = _norm([float(c.last_access) for c in cands])
     eff = _norm([c.saved_flops / max(1, c.nbytes) for c in cands])
-    scored = [(rec[i] + alpha * eff[i], c.last_access, i) for i, c in enumerate(cands)]
+    scored = [(rec[i] + alpha * eff[i], eff[i], c.last_access, i) for i, c in enumerate(cands)]
     scored.sort()
-    return [cands[i] for _, _, i in scored]
+    return [cands[i] for *_, i in scored]

@@ -463,6 +463,16 @@ class CacheLifecycle:
             freed.extend(self.tree.evict_checkpoint(ck))
         return self._apply(freed)
 
+    def rank_handle_groups(self, groups: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Of ``groups`` of checkpoint handles (each freeing memory only as a whole, e.g. the
+        handles in one state slot's blocks), those :meth:`evict_handles` can take now, least
+        valuable first by the tree's price of their checkpoints."""
+        owners = []
+        for hs in groups:
+            cks = {id(ck): ck for ck in (self.tree.checkpoint_of(h) for h in hs) if ck is not None}
+            owners.append(list(cks.values()))
+        return [[h for ck in g for h in ck.held_handles()] for g in self.tree.rank_checkpoint_groups(owners)]
+
     def evict_until(
         self,
         done: Callable[[], bool],

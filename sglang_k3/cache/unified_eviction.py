@@ -33,11 +33,13 @@ class UnifiedEviction:
         return freed
 
     def for_checkpoint(self, nbytes: int) -> Freed:
-        """Room for one more checkpoint; at ``--k3-max-checkpoints``, checkpoints only."""
+        """Room for one more checkpoint of ``nbytes``; at ``--k3-max-checkpoints``, checkpoints
+        only. Evicts about ``nbytes`` at a time, not a block: one evicted checkpoint makes room,
+        and asking for a block's bytes (a stride more than a checkpoint's) took a second one."""
         led = self.ledger
         if led.ckpt_at_cap():
             return self.lifecycle.evict(num_bytes=nbytes)
-        return self._until(led.ckpt_has_room, led.geom.block_bytes)
+        return self._until(led.ckpt_has_room, nbytes)
 
     def for_kv(self, target: int, step_tokens: int) -> Freed:
         """Until ``target`` KV entries are allocatable, about ``step_tokens`` at a time."""
@@ -49,15 +51,17 @@ class UnifiedEviction:
     def for_active(self, want: int) -> Freed:
         """Until ``want`` state slots are whole and free, or no more can be: KV never enters the
         active region, so a slot is held only by checkpoints that borrowed its blocks; those of
-        the slot that holds the fewest go. A pinned or unlanded checkpoint keeps its slot (the
-        hit being restored may sit in the last one): then KV and checkpoints elsewhere go by
-        value, whole aligned runs at a time, until a run of ``span`` blocks is free there."""
+        the slot they are worth least in go (the tree's price: FLOPs saved per byte, with
+        recency), so a hot state, e.g. a shared system prompt's, does not go for a cold one's
+        slot. A pinned or unlanded checkpoint keeps its slot (the hit being restored may sit in
+        the last one): then KV and checkpoints elsewhere go by value, one candidate (a leaf's KV,
+        or a slot's checkpoints) at a time, until a run of ``span`` blocks is free there."""
         led, total = self.ledger, Freed()
 
         def enough() -> bool:
             return led.free_slots(limit=want) >= want
 
-        for handles in led.active_victims():
+        for handles in self.lifecycle.rank_handle_groups(led.active_victims()):
             if enough():
                 break
             if handles:
@@ -65,7 +69,5 @@ class UnifiedEviction:
                 led.note_reclaim(freed.checkpoint_bytes, 0)
                 total.extend(freed)
         if not enough():  # the region's borrowers cannot go now: free a run elsewhere, by value
-            total.extend(
-                self._until(enough, led.span * led.geom.block_bytes, lambda ck: led.block_of_checkpoint(ck) // led.span)
-            )
+            total.extend(self._until(enough, 1, lambda ck: led.block_of_checkpoint(ck) // led.span))
         return total
