@@ -169,3 +169,23 @@ def test_min_max_ties_go_to_the_less_efficient_candidate():
     # both score 1.0 at alpha 1 (one is all recency, the other all efficiency)
     assert [c.obj for c in rank([old_efficient, new_cheap], 1.0)] == ["new", "old"]
     assert [c.obj for c in rank([old_efficient, new_cheap], 0.0)] == ["old", "new"]  # alpha 0: LRU
+
+
+def test_evictable_checkpoint_bytes_follow_pins_locks_and_landing():
+    """The running tally the unified budget reads (instead of a sum over every checkpoint per call)
+    moves with each of the three conditions, with and without path locks protecting states."""
+    for protects in (True, False):
+        tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=16, lock_protects_checkpoints=protects)
+        r = tree.insert(list(range(64)), list(range(64)))
+        ck = tree.add_checkpoint(r.node, 32, [1], nbytes=100)  # copy not landed yet
+        assert tree.evictable_checkpoint_bytes() == 0
+        tree.commit_step()
+        assert tree.evictable_checkpoint_bytes() == 100
+        m = tree.match_prefix(list(range(40)))  # pinned (and its path locked) for the restore
+        assert m.checkpoint is ck and tree.evictable_checkpoint_bytes() == 0
+        tree.inc_lock_ref(m.node)  # the request holds its path
+        tree.release_pin(m.pin)  # the COW landed
+        assert tree.evictable_checkpoint_bytes() == (0 if protects else 100)
+        tree.dec_lock_ref(m.node)
+        assert tree.evictable_checkpoint_bytes() == 100
+        tree.check_invariants()

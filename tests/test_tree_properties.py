@@ -43,8 +43,9 @@ op = st.tuples(
 
 
 class Harness:
-    def __init__(self, page: int, groups: int) -> None:
-        self.tree = K3RadixTree(num_groups=groups, page_size=page, hit_unit=UNIT)
+    def __init__(self, page: int, groups: int, protects: bool = True) -> None:
+        # protects=False: the lifecycle's tree, where only pins (not path locks) hold checkpoints
+        self.tree = K3RadixTree(num_groups=groups, page_size=page, hit_unit=UNIT, lock_protects_checkpoints=protects)
         self.kv, self.h = IntPool(20_000), IntPool(2_000)
         self.nodes, self.locks, self.pins = [], [], []
 
@@ -142,9 +143,16 @@ class Harness:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(page=st.sampled_from([1, 4, 16, 32]), groups=st.integers(1, 3), ops=st.lists(op, max_size=60))
-def test_random_ops_then_flush_leaks_nothing(page, groups, ops):
-    hz = Harness(page, groups)
+@given(
+    page=st.sampled_from([1, 4, 16, 32]),
+    groups=st.integers(1, 3),
+    protects=st.booleans(),
+    ops=st.lists(op, max_size=60),
+)
+def test_random_ops_then_flush_leaks_nothing(page, groups, protects, ops):
+    """check_invariants also recounts which checkpoints are evictable against the tree's running
+    tally (``evictable_checkpoint_bytes``), after every op."""
+    hz = Harness(page, groups, protects)
     for o in ops:
         hz.step(*o)
     hz.flush()

@@ -224,6 +224,7 @@ class BlockLedger:
         self._kv_partial: set[int] = set()  # KV blocks with at least one free token
         self._ck_partial: set[int] = set()  # checkpoint blocks with at least one free sub-slot
         self._ck_free: dict[int, set[int]] = {}  # checkpoint block -> free sub-slots
+        self._ck_blocks_out = 0  # checkpoint blocks outside the active region
         self._active: set[int] = set()  # active slots (each ``span`` blocks)
         self._ckpt_live = 0
 
@@ -433,6 +434,7 @@ class BlockLedger:
             b = self._take_block(Kind.CKPT)
             assert b is not None
             self._ck_free[b] = set(range(m))
+            self._ck_blocks_out += b not in self._region
             self._ck_partial.add(b)
         free = self._ck_free[b]
         sub = min(free)
@@ -453,6 +455,7 @@ class BlockLedger:
         self._ckpt_live -= 1
         if len(free) == m:
             del self._ck_free[b]
+            self._ck_blocks_out -= b not in self._region
             self._ck_partial.discard(b)
             self._give_back(b)
 
@@ -469,8 +472,9 @@ class BlockLedger:
         return self._ckpt_live
 
     def ckpt_blocks_outside_region(self) -> int:
-        """Checkpoint blocks KV could have once they empty."""
-        return sum(1 for b in self._ck_free if b not in self._region)
+        """Checkpoint blocks KV could have once they empty (counted as blocks come and go: the
+        KV allocator's size asks it several times a scheduler step)."""
+        return self._ck_blocks_out
 
     def block_of_checkpoint(self, ck) -> int:
         """For eviction by block: the block a tree checkpoint's (first) handle lives in."""
@@ -516,6 +520,8 @@ class BlockLedger:
             raise LedgerError("the active region's free blocks are misfiled")
         if any(b in self._region for b in self._kv_free) or 0 in self._active:
             raise LedgerError("KV in the active region, or an active state on the padding target")
+        if self._ck_blocks_out != sum(1 for b in self._ck_free if b not in self._region):
+            raise LedgerError("the count of checkpoint blocks outside the active region is off")
         for b, k in enumerate(self.kind):
             if b < self.geom.reserved_blocks:
                 if k != Kind.RESERVED or b in seen:

@@ -92,6 +92,8 @@ class K3RadixTree:
         self._ckpts: dict[int, Checkpoint] = {}
         self._handle_owner: dict[int, Checkpoint] = {}
         self._pending: set[int] = set()
+        self._stuck: set[int] = set()  # ids of checkpoints that cannot be evicted now
+        self._stuck_bytes = 0
         self._evictable_tokens = 0
         self._protected_tokens = 0
         self.stats.checkpoints = 0
@@ -134,7 +136,21 @@ class K3RadixTree:
         return self.stats.checkpoint_bytes
 
     def evictable_checkpoint_bytes(self) -> int:
-        return sum(c.nbytes for c in self._ckpts.values() if self.checkpoint_evictable(c))
+        """Bytes of the checkpoints :meth:`checkpoint_evictable` would let go now. Kept up to
+        date at every pin, lock, landing and drop (:meth:`_restat`), not summed per call: the
+        unified budget asks it each time SGLang asks the KV allocator its size, several times a
+        scheduler step, over up to thousands of checkpoints."""
+        return self.stats.checkpoint_bytes - self._stuck_bytes
+
+    def _restat(self, ck: Checkpoint) -> None:
+        """Re-file ``ck`` as evictable or stuck after one of its conditions changed."""
+        stuck = ck.node is not None and not self.checkpoint_evictable(ck)
+        if stuck and ck.id not in self._stuck:
+            self._stuck.add(ck.id)
+            self._stuck_bytes += ck.nbytes
+        elif not stuck and ck.id in self._stuck:
+            self._stuck.remove(ck.id)
+            self._stuck_bytes -= ck.nbytes
 
     def checkpoints(self) -> list[Checkpoint]:
         return list(self._ckpts.values())
@@ -224,6 +240,7 @@ class K3RadixTree:
             best.superseded = False  # a hit: it serves more than a repeat that may never come
             best.pins += 1
             self.inc_lock_ref(best.node)  # type: ignore[arg-type]
+            self._restat(best)
             res.pin = Pin(checkpoint=best, node=best.node)  # type: ignore[arg-type]
         self.stats.record_match(MatchRecord(len(key), mla_len, restore, res.replayed_tokens))
         return res
@@ -237,6 +254,7 @@ class K3RadixTree:
         pin.released = True
         pin.checkpoint.pins -= 1
         self.dec_lock_ref(pin.node)
+        self._restat(pin.checkpoint)
 
     def find_branch_point(self, key: Sequence[int]) -> Optional[int]:
         """Marconi-style speculative insertion, read-only: where would ``key`` fork off an
@@ -316,9 +334,11 @@ class K3RadixTree:
         self._check_attached(node)
         delta = 0
         for n in self._path(node):
-            if n.lock_ref == 0:
-                delta += len(n.key)
             n.lock_ref += 1
+            if n.lock_ref == 1:
+                delta += len(n.key)
+                for ck in n.checkpoints.values():
+                    self._restat(ck)
         self._evictable_tokens -= delta
         self._protected_tokens += delta
         return delta
@@ -334,6 +354,8 @@ class K3RadixTree:
             n.lock_ref -= 1
             if n.lock_ref == 0:
                 delta += len(n.key)
+                for ck in n.checkpoints.values():
+                    self._restat(ck)
         self._evictable_tokens += delta
         self._protected_tokens -= delta
         return delta
@@ -388,6 +410,7 @@ class K3RadixTree:
             self._pending.add(ck.id)
         self.stats.checkpoints += 1
         self.stats.checkpoint_bytes += nbytes
+        self._restat(ck)
         return ck
 
     def attach_group_handle(self, ck: Checkpoint, group: int, handle: int) -> None:
@@ -400,6 +423,7 @@ class K3RadixTree:
         """The copy/donation into ``ck``'s handles has landed: it becomes matchable."""
         ck.ready = True
         self._pending.discard(ck.id)
+        self._restat(ck)
 
     def commit_step(self) -> int:
         """All checkpoints registered so far have landed (call after the step's copies sync)."""
@@ -408,6 +432,7 @@ class K3RadixTree:
             ck = self._ckpts.get(cid)
             if ck is not None:
                 ck.ready = True
+                self._restat(ck)
                 n += 1
         self._pending.clear()
         return n
@@ -433,6 +458,7 @@ class K3RadixTree:
         for h in handles:
             del self._handle_owner[h]
         ck.node = None  # detached; ck.handles keeps the record of what was handed back
+        self._restat(ck)
         self.stats.checkpoints -= 1
         self.stats.checkpoint_bytes -= ck.nbytes
         freed = Freed()
@@ -766,3 +792,5 @@ class K3RadixTree:
         assert (ev, pr) == (self._evictable_tokens, self._protected_tokens), (ev, pr)
         assert nck == len(self._ckpts) == self.stats.checkpoints and nbytes == self.stats.checkpoint_bytes
         assert seen_h == self._handle_owner
+        stuck = {c.id for c in self._ckpts.values() if not self.checkpoint_evictable(c)}
+        assert stuck == self._stuck and self._stuck_bytes == sum(self._ckpts[i].nbytes for i in stuck)
