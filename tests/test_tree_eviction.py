@@ -140,35 +140,26 @@ def test_joint_eviction_keeps_the_checkpoint_floor():
 
 def test_a_state_many_requests_hit_outlives_a_newer_one_that_saves_more_per_hit():
     """A shared system prompt's state saves less per hit than a turn end past it, and it was last
-    used before the turn end was placed; but every conversation hits it. Pricing a state by the
-    FLOPs it saves times ``1 + hits`` (and breaking a min-max tie by that price, not by recency)
-    keeps it. Priced by one hit, or with the tie broken by recency, it would go first."""
+    used before the turn end was placed; but thirty conversations restored from it. Pricing a
+    state by the FLOPs it saves times ``1 + log2(1 + hits)`` keeps it; priced by one hit it would
+    go right after the coldest state."""
     tree, kv, h = build()
+    _, _, [coldest] = branch(tree, kv, h, 9, 128, [128])  # no hits, oldest
     system = [1] * 128
     r = tree.insert(system, kv.alloc(128))
     shared = tree.add_checkpoint(r.node, 128, h.alloc(1), nbytes=1000, ready=True)
-    for c in range(30):  # thirty conversations restore from it
+    for c in range(30):
         res = tree.match_prefix(system + [100 + c])  # pinned: a restore, counted as a hit
         assert res.restore_len == 128
         tree.release_pin(res.pin)
     turn = system + [2] * 256
     r = tree.insert(turn, tree.path_kv(r.node) + kv.alloc(256))
     newer = tree.add_checkpoint(r.node, 384, h.alloc(1), nbytes=1000, ready=True)
-    assert shared.hits == 30 and newer.last_access > shared.last_access
+    assert shared.hits == 30 and coldest.last_access < shared.last_access < newer.last_access
     assert tree.saved_flops(newer) > tree.saved_flops(shared)
-    freed = tree.evict(num_bytes=1)
-    assert freed.handles == newer.handles
+    freed = tree.evict(num_bytes=1001)  # two checkpoints
+    assert freed.handles == coldest.handles + newer.handles
     assert shared.node is not None
-
-
-def test_min_max_ties_go_to_the_less_efficient_candidate():
-    from sglang_k3.cache.eviction import Candidate, rank
-
-    old_efficient = Candidate("old", last_access=1, saved_flops=10.0, nbytes=1)
-    new_cheap = Candidate("new", last_access=2, saved_flops=1.0, nbytes=1)
-    # both score 1.0 at alpha 1 (one is all recency, the other all efficiency)
-    assert [c.obj for c in rank([old_efficient, new_cheap], 1.0)] == ["new", "old"]
-    assert [c.obj for c in rank([old_efficient, new_cheap], 0.0)] == ["old", "new"]  # alpha 0: LRU
 
 
 def test_evictable_checkpoint_bytes_follow_pins_locks_and_landing():
