@@ -123,3 +123,38 @@ def test_floors_above_the_budget_fail_at_start_with_the_sizes():
     assert p.returncode != 0
     log = p.stdout + p.stderr
     assert "sglang-k3 unified memory: the budget of" in log and "--k3-min-kv-tokens 1000000" in log
+
+
+@pytest.mark.parametrize("seed", [62])
+def test_a_shared_system_prompt_survives_conversations_that_cycle_the_budget(server_factory, seed):
+    """Sixteen conversations over one system prompt take turns, four at a time, in a budget that
+    cannot keep each conversation until its next turn (the live A/B's ``multiturn`` under
+    pressure, smaller). What is left to win is the system prompt, which every request restores
+    from: its state must outlive the cold turn ends around it. It used not to: priced by one hit,
+    it was the cheapest state in the budget and went again and again."""
+    rng = random.Random(seed)
+    system = random_tokens(rng, 192)
+    users = [[random_tokens(rng, 192 if t == 0 else 48) for t in range(3)] for _ in range(16)]
+
+    def run(s):
+        history = [list(system) for _ in users]
+        out = []
+        for t in range(3):
+            for w in range(0, len(users), 4):
+                batch = [(history[c] + users[c][t], 8) for c in range(w, w + 4)]
+                res = _run_batch(s, batch)
+                for c, (p, r) in zip(range(w, w + 4), zip(batch, res)):
+                    history[c] = p[0] + r["output_ids"]
+                out += res
+        return out
+
+    s = server_factory("k3_pressure")
+    s.flush_cache()
+    cached = run(s)
+    plain = run(server_factory("nocache"))
+    assert [r["output_ids"] for r in cached] == [r["output_ids"] for r in plain]
+    hits = [r["meta_info"]["cached_tokens"] for r in cached]
+    print("\ncached tokens per request:", hits)
+    budget_tokens = _state(s)["memory_budget_bytes"] // 1280
+    assert budget_tokens < sum(r["meta_info"]["prompt_tokens"] for r in cached[-16:])  # it does cycle
+    assert all(h >= 192 for h in hits[8:]), hits  # every request after the first two waves
