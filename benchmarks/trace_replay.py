@@ -44,7 +44,7 @@ GiB = 1 << 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "mooncake_conversation_trace.jsonl"))
 DEFAULT_OUT = os.path.join("benchmarks", "results", "trace_replay")
-DEFAULT_POLICIES = "k3,k3-fixed,upstream,upstream-int8,vllm-align,marconi,oracle,fa-budget"
+DEFAULT_POLICIES = "k3,k3-alpha0,k3-fixed,upstream,upstream-int8,vllm-align,marconi,oracle,fa-budget"
 DTYPES = ("int8", "bf16", "fp32")
 
 

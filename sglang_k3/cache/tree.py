@@ -503,8 +503,8 @@ class K3RadixTree:
         prompt's state, hit by every conversation, is worth keeping over a turn end no one has
         come back to, though one hit on it saves less (the frequency term of GreedyDual-Size-
         Frequency, Cherkasova, HP Labs HPL-98-69, 1998). Logarithmic, not linear: on the
-        conversation trace a linear ``1 + hits`` let a few hot states crowd the fixed 64-slot
-        pool (``k3-fixed`` fell from 0.058 to 0.045 at 20-80 GiB) for +0.009 at 40 GiB unified;
+        conversation trace a linear ``1 + hits`` took the fixed 64-slot pool (``k3-fixed``)
+        from 0.058 to 0.045 at 20-80 GiB, for +0.009 at 40 GiB unified;
         ``benchmarks/results/trace_replay`` has the measured default. Recency stays the other
         term (:func:`~sglang_k3.cache.eviction.rank`), so a once-hot state that went cold still
         ages out."""
