@@ -34,6 +34,8 @@ PATCH_MODULES: list[str] = [
     "match_kv_cache_k3",
     "scheduler_output_streamer_k3",
     "kv_cache_configurator_init_pools",
+    "mamba_track_states",
+    "schedule_batch_decode_pin",
 ]
 
 _registered = False

@@ -23,6 +23,7 @@ TARGET_MODULES = [
     "sglang.kernels.ops.attention.fla.fused_norm_gate",
     "sglang.srt.layers.attention.linear.kernels.kda_triton",
     "sglang.srt.layers.attention.linear.kda_backend",
+    "sglang.kernels.ops.mamba.mamba_state_scatter_triton",
 ]
 
 
@@ -57,6 +58,7 @@ def patched():
     originals = {
         "fn": mods["sglang.kernels.ops.mamba.causal_conv1d_triton"].causal_conv1d_fn,
         "update": mods["sglang.kernels.ops.mamba.causal_conv1d_triton"].causal_conv1d_update,
+        "track": mods["sglang.kernels.ops.mamba.mamba_state_scatter_triton"]._launch_track_mamba_states,
         "norm": mods["sglang.kernels.ops.attention.fla.fused_norm_gate"].rms_norm_gated,
         **{m: kt.__dict__[m] for m in ("extend", "decode", "packed_decode", "target_verify")},
     }
@@ -73,12 +75,14 @@ def patched():
         "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update",
         "sglang.kernels.ops.attention.fla.fused_norm_gate.rms_norm_gated",
         "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel",
+        "sglang.kernels.ops.mamba.mamba_state_scatter_triton._launch_track_mamba_states",
     }
     yield mods
     pairs = [
         (mods["sglang.kernels.ops.mamba.causal_conv1d_triton"].causal_conv1d_fn, originals["fn"]),
         (mods["sglang.kernels.ops.mamba.causal_conv1d_triton"].causal_conv1d_update, originals["update"]),
         (mods["sglang.kernels.ops.attention.fla.fused_norm_gate"].rms_norm_gated, originals["norm"]),
+        (mods["sglang.kernels.ops.mamba.mamba_state_scatter_triton"]._launch_track_mamba_states, originals["track"]),
     ]
     _restore(pairs)
     for m in ("extend", "decode", "packed_decode", "target_verify"):
@@ -112,6 +116,20 @@ def test_hooks_reach_every_call_site(patched):
         assert any(c.cell_contents is impl for c in meth.__closure__), name
     with pytest.raises(NotImplementedError):
         kt().target_verify()
+
+
+def test_extra_buffer_track_copy_runs_through_upstreams_entry_point(patched):
+    """``track_mamba_states_all_layers`` (what upstream's decode calls under extra_buffer) reaches
+    the torch copy: the tracked row's state lands in its track slot in every layer."""
+    scatter = patched["sglang.kernels.ops.mamba.mamba_state_scatter_triton"]
+    gen = torch.Generator().manual_seed(33)
+    conv, ssm = torch.randn(2, 6, 3, 4, generator=gen), torch.randn(2, 6, 2, 2, 2, generator=gen)
+    src, dst = torch.tensor([1, 2]), torch.tensor([4, 5])
+    mask = torch.tensor([True, False])
+    before = conv.clone(), ssm.clone()
+    scatter.track_mamba_states_all_layers(conv, ssm, src, mask, dst, 2)
+    assert torch.equal(conv[:, 4], before[0][:, 1]) and torch.equal(ssm[:, 4], before[1][:, 1])
+    assert torch.equal(conv[:, 5], before[0][:, 5]) and torch.equal(ssm[:, 5], before[1][:, 5])
 
 
 def test_fused_rmsnorm_gated_module_uses_cpu_path(patched):

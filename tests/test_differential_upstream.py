@@ -2,7 +2,9 @@
 
 The same interleaved conversations (shared system prompt, 4 turns, prompts longer than one KDA
 chunk) must give identical greedy tokens with SGLang's default hybrid cache and with
-``--disable-radix-cache``; later turns must report cached tokens.
+``--disable-radix-cache``; later turns must report cached tokens. Both of upstream's strategies:
+``no_buffer`` (the CPU default) and ``extra_buffer`` (its GPU default for Kimi Linear, run on CPU
+through sglang-k3's patches of its state-tracking copy).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from workloads import run_conversations
 SEEDS = [7, 8]
 
 
+@pytest.mark.parametrize("config", ["upstream", "upstream_extra_buffer"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_upstream_cache_matches_no_cache(server_factory, seed):
-    cached = run_conversations(server_factory("upstream"), seed)
+def test_upstream_cache_matches_no_cache(server_factory, seed, config):
+    cached = run_conversations(server_factory(config), seed)
     plain = run_conversations(server_factory("nocache"), seed)
     for a, b in zip(cached, plain):
         assert a["output_ids"] == b["output_ids"], (a, b)

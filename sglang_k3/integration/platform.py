@@ -16,3 +16,11 @@ class K3CpuPlatform(CpuSRTPlatform):
 
     def get_dispatch_key_name(self) -> str:
         return "native"
+
+    def support_mamba_cache_extra_buffer(self) -> bool:
+        """SGLang's ``extra_buffer`` state tracking runs here: its Triton track copy and its
+        unguarded pin_memory() have CPU patches (patches/mamba_track_states.py,
+        patches/schedule_batch_decode_pin.py). Not k3's strategy: ``--radix-cache-backend
+        upstream --mamba-radix-cache-strategy extra_buffer`` is the live A/B's faithful
+        baseline."""
+        return True
