@@ -52,6 +52,39 @@ def _with_defaults(argv: list[str], defaults: list[tuple[str, str | None]]) -> l
     return out
 
 
+def _value(argv: list[str], flag: str) -> str | None:
+    """The value given for ``flag`` (``--flag v`` or ``--flag=v``), or None."""
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _cpu_defaults_for(argv: list[str]) -> list[tuple[str, str | None]]:
+    """The CPU defaults, less ``--disable-overlap-schedule`` when the user chose a state strategy
+    other than ``no_buffer``: only ``no_buffer`` needs the overlap scheduler off (SGLang asserts
+    it, ``arg_groups/mamba_hook.py::validate_mamba_no_buffer``), and ``extra_buffer``'s own
+    default is overlap on."""
+    strategy = _value(argv, "--mamba-radix-cache-strategy")
+    if strategy is None or strategy == "no_buffer":
+        return CPU_DEFAULTS
+    return [d for d in CPU_DEFAULTS if d[0] != "--disable-overlap-schedule"]
+
+
+def _check_backend_strategy(argv: list[str]) -> None:
+    """k3 tracks its states itself, at request ends and chunk ends, under ``no_buffer``; SGLang's
+    ``extra_buffer`` (spare slots the forward snapshots into) is not wired to it yet."""
+    backend = _value(argv, "--radix-cache-backend")
+    strategy = _value(argv, "--mamba-radix-cache-strategy")
+    if backend == "k3" and strategy not in (None, "no_buffer"):
+        raise SystemExit(
+            f"--radix-cache-backend k3 runs with --mamba-radix-cache-strategy no_buffer (got {strategy}); "
+            "use --radix-cache-backend upstream for SGLang's own extra_buffer cache"
+        )
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     """Split our flags off ``argv`` and return SGLang's argv with our defaults added."""
     ours = argparse.ArgumentParser(add_help=False)
@@ -72,8 +105,9 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         os.environ.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
     rest = _with_defaults(rest, CACHE_DEFAULTS)
+    _check_backend_strategy(rest)
     if cfg.cpu_defaults and cpu_platform_wanted():
-        rest = _with_defaults(rest, CPU_DEFAULTS)
+        rest = _with_defaults(rest, _cpu_defaults_for(rest))
     return rest, cfg
 
 

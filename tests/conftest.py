@@ -20,8 +20,9 @@ from server_utils import Server  # noqa: E402
 SERVER_CONFIGS: dict[str, list[str]] = {
     "nocache": ["--disable-radix-cache"],
     "upstream": ["--radix-cache-backend", "upstream"],
-    # Upstream at its GPU default strategy for Kimi Linear (extra_buffer: states tracked into spare
-    # slots), on CPU through patches/mamba_track_states.py and patches/schedule_batch_decode_pin.py.
+    # Upstream at its real GPU default for Kimi Linear: extra_buffer (states tracked into spare
+    # slots) with the overlap scheduler on (launch_server leaves it on for extra_buffer), on CPU
+    # through patches/mamba_track_states.py and patches/schedule_batch_decode_pin.py.
     "upstream_extra_buffer": ["--radix-cache-backend", "upstream", "--mamba-radix-cache-strategy", "extra_buffer"],
     # launch_server's default backend is k3; fp32 checkpoints are the bit-exact differential oracle.
     "k3": ["--k3-checkpoint-dtype", "fp32"],

@@ -46,3 +46,26 @@ def test_every_k3_flag_comes_before_sglangs(help_lines):
 def test_k3_heading_is_near_the_top(help_lines):
     assert "sglang-k3:" in help_lines[:40]
     assert help_lines.index("sglang-k3:") < help_lines.index("SGLang options:")
+
+
+def test_cpu_defaults_keep_the_overlap_scheduler_for_extra_buffer(monkeypatch):
+    """No-buffer (the CPU default) needs the overlap scheduler off; a user who picks upstream's
+    extra_buffer gets upstream's own default, overlap on."""
+    from sglang_k3 import launch_server as L
+
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
+    base = ["--model-path", "/m", "--radix-cache-backend", "upstream"]
+    plain, _ = L.build_argv(base)
+    assert "--disable-overlap-schedule" in plain and "no_buffer" in plain
+    eb, _ = L.build_argv(base + ["--mamba-radix-cache-strategy", "extra_buffer"])
+    assert "--disable-overlap-schedule" not in eb and "no_buffer" not in eb
+    assert eb.count("--mamba-radix-cache-strategy") == 1
+
+
+def test_k3_with_another_state_strategy_is_refused_with_the_reason():
+    import pytest
+
+    from sglang_k3 import launch_server as L
+
+    with pytest.raises(SystemExit, match="k3 runs with --mamba-radix-cache-strategy no_buffer"):
+        L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy=extra_buffer"])
