@@ -64,10 +64,9 @@ class UnifiedEviction:
         for handles in self.lifecycle.rank_handle_groups(led.active_victims()):
             if enough():
                 break
-            if handles:
-                freed = self.lifecycle.evict_handles(handles)
-                led.note_reclaim(freed.checkpoint_bytes, 0)
-                total.extend(freed)
+            freed = self.lifecycle.evict_handles(handles)  # ranked groups are never empty
+            led.note_reclaim(freed.checkpoint_bytes, 0)
+            total.extend(freed)
         if not enough():  # the region's borrowers cannot go now: free a run elsewhere, by value
             total.extend(self._until(enough, 1, lambda ck: led.block_of_checkpoint(ck) // led.span))
         return total
