@@ -36,6 +36,7 @@ PATCH_MODULES: list[str] = [
     "kv_cache_configurator_init_pools",
     "mamba_track_states",
     "schedule_batch_decode_pin",
+    "mamba_no_buffer_overlap",
 ]
 
 _registered = False

@@ -36,6 +36,7 @@ CPU_DEFAULTS: list[tuple[str, str | None]] = [
 # The embedded model is an fp32 checkpoint; kimi_linear builds one projection with the config
 # dtype, so `--dtype auto` would mix dtypes.
 EMBEDDED_MODEL_DEFAULTS: list[tuple[str, str | None]] = [("--dtype", "float32")]
+CONSECUTIVE_PREFILL_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
 # sglang-k3's cache is the default; `--radix-cache-backend upstream` selects SGLang's own.
 CACHE_DEFAULTS: list[tuple[str, str | None]] = [("--radix-cache-backend", "k3")]
 
@@ -63,12 +64,15 @@ def _value(argv: list[str], flag: str) -> str | None:
 
 
 def _cpu_defaults_for(argv: list[str]) -> list[tuple[str, str | None]]:
-    """The CPU defaults, less ``--disable-overlap-schedule`` when the user chose a state strategy
-    other than ``no_buffer``: only ``no_buffer`` needs the overlap scheduler off (SGLang asserts
-    it, ``arg_groups/mamba_hook.py::validate_mamba_no_buffer``), and ``extra_buffer``'s own
-    default is overlap on."""
+    """The CPU defaults, with ``--disable-overlap-schedule`` only where SGLang needs it: for its
+    own cache under ``no_buffer`` (it asserts so, ``arg_groups/mamba_hook.py::
+    validate_mamba_no_buffer``, and so for a cache-off server). ``extra_buffer``'s own default is
+    overlap on, and the k3 cache runs under the overlap scheduler
+    (``patches/mamba_no_buffer_overlap.py``)."""
     strategy = _value(argv, "--mamba-radix-cache-strategy")
-    if strategy is None or strategy == "no_buffer":
+    backend = _value(argv, "--radix-cache-backend")
+    k3 = backend == "k3" and not _given(argv, "--disable-radix-cache")
+    if not k3 and strategy in (None, "no_buffer"):
         return CPU_DEFAULTS
     return [d for d in CPU_DEFAULTS if d[0] != "--disable-overlap-schedule"]
 
@@ -106,6 +110,13 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
+    if _value(rest, "--radix-cache-backend") == "k3":
+        # Under the overlap scheduler, process one prefill's results before the next prefill
+        # starts (upstream's own switch; it helps the first batch's TTFT): the states the k3
+        # cache checkpoints from a prefill are that prefill's, held until its results are
+        # processed (sglang_k3/state/export_stash.py). Set it to 0 to overlap them anyway: those
+        # prefills then leave no chunk-boundary checkpoints (never a wrong one).
+        os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1")
     if cfg.cpu_defaults and cpu_platform_wanted():
         rest = _with_defaults(rest, _cpu_defaults_for(rest))
     return rest, cfg

@@ -24,8 +24,11 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     # slots) with the overlap scheduler on (launch_server leaves it on for extra_buffer), on CPU
     # through patches/mamba_track_states.py and patches/schedule_batch_decode_pin.py.
     "upstream_extra_buffer": ["--radix-cache-backend", "upstream", "--mamba-radix-cache-strategy", "extra_buffer"],
-    # launch_server's default backend is k3; fp32 checkpoints are the bit-exact differential oracle.
+    # launch_server's default backend is k3, with the overlap scheduler on; fp32 checkpoints are
+    # the bit-exact differential oracle.
     "k3": ["--k3-checkpoint-dtype", "fp32"],
+    # The same with the overlap scheduler off (checkpoints copied from the live state at once).
+    "k3_no_overlap": ["--k3-checkpoint-dtype", "fp32", "--disable-overlap-schedule"],
     # Small prefill chunks, small pools, a decode checkpoint every 8 tokens: chunk and decode
     # checkpoints, recycling and eviction all happen.
     "k3_small": [

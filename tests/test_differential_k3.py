@@ -2,8 +2,10 @@
 
 Seeded random scripts (multi-turn conversations over a shared system prompt, fork branches sent
 concurrently, repeated prompts, prompts ending mid-chunk) run against ``k3`` servers and a
-``--disable-radix-cache`` server. ``k3_small`` uses 96-token prefill chunks and small KV and state
-pools, so chunk checkpoints, recycling and eviction all happen. Seeds are recorded in the test ids.
+``--disable-radix-cache`` server. ``k3`` runs with the overlap scheduler on (launch_server's
+default), ``k3_no_overlap`` with it off. ``k3_small`` (overlap on) uses 96-token prefill chunks and
+small KV and state pools, so chunk checkpoints, recycling and eviction all happen. Seeds are
+recorded in the test ids.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from scripted_workload import compare, make_script, run_script
 SEEDS = [101, 202]
 
 
-@pytest.mark.parametrize("config", ["k3", "k3_small"])
+@pytest.mark.parametrize("config", ["k3", "k3_no_overlap", "k3_small"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_k3_greedy_equals_no_cache(server_factory, config, seed):
     script = make_script(seed)

@@ -62,6 +62,49 @@ def test_cpu_defaults_keep_the_overlap_scheduler_for_extra_buffer(monkeypatch):
     assert eb.count("--mamba-radix-cache-strategy") == 1
 
 
+def test_k3_runs_with_the_overlap_scheduler_by_default(monkeypatch):
+    """k3 guards its state copies by state length, so its default keeps SGLang's overlap scheduler
+    on (under no_buffer, through patches/mamba_no_buffer_overlap.py), with one prefill's results
+    processed before the next prefill (the export stash holds one prefill's states). A cache-off
+    server keeps the CPU default, overlap off; a flag or variable the user gives wins."""
+    from sglang_k3 import launch_server as L
+
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
+    monkeypatch.delenv(L.CONSECUTIVE_PREFILL_ENV, raising=False)
+    k3, _ = L.build_argv(["--model-path", "/m"])
+    assert "--disable-overlap-schedule" not in k3 and "no_buffer" in k3
+    import os
+
+    assert os.environ[L.CONSECUTIVE_PREFILL_ENV] == "1"
+    off, _ = L.build_argv(["--model-path", "/m", "--disable-radix-cache"])
+    assert "--disable-overlap-schedule" in off
+    mine, _ = L.build_argv(["--model-path", "/m", "--disable-overlap-schedule"])
+    assert mine.count("--disable-overlap-schedule") == 1
+    monkeypatch.setenv(L.CONSECUTIVE_PREFILL_ENV, "0")
+    L.build_argv(["--model-path", "/m"])
+    assert os.environ[L.CONSECUTIVE_PREFILL_ENV] == "0"
+
+
+def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
+    """SGLang's own check still refuses no_buffer with the overlap scheduler for its own cache."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups.mamba_hook import validate_mamba_no_buffer
+
+    from sglang_k3.patches.mamba_no_buffer_overlap import validate_no_buffer
+
+    view = dict(page_size=1, disable_overlap_schedule=False, attention_backend="torch_native")
+    validate_no_buffer(validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="k3", **view), "KimiLinear")
+    with pytest.raises(AssertionError, match="overlap"):
+        validate_no_buffer(
+            validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="upstream", **view), "KimiLinear"
+        )
+    with pytest.raises(AssertionError, match="page_size"):
+        validate_no_buffer(
+            validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="k3", **{**view, "page_size": 64}), "K"
+        )
+
+
 def test_k3_with_another_state_strategy_is_refused_with_the_reason():
     import pytest
 

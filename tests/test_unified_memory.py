@@ -184,3 +184,28 @@ def test_sglangs_eviction_then_allocation_succeeds_when_available_counts_checkpo
     cache.evict(EvictParams(num_tokens=n - alloc.available_size()))
     got = alloc.alloc(n)
     assert got is not None and len(got) == n
+
+
+def test_more_live_states_than_the_reserve_take_free_memory_never_live_data():
+    """SGLang counts request slots as the active reserve; if more states are live at once (seen
+    once under the overlap scheduler), the next slot comes from free blocks outside the reserve,
+    counted, and is refused only when no free memory is left: nothing live is overwritten."""
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    rtp, _ = _pools(cache)
+    led = cache.ledger
+    slots = rtp.mamba_allocator
+    held = [slots.alloc(1) for _ in range(led.active_reserve)]
+    assert all(h is not None for h in held) and slots.available_size() == 0
+    extra = slots.alloc(1)
+    assert extra is not None and led.counters.active_overflows == 1
+    assert int(extra) not in {int(h) for h in held}
+    led.check()
+    # fill what is left with KV: then no slot can be had without evicting live data
+    kv = alloc.alloc(alloc.available_size())
+    assert kv is not None
+    assert slots.alloc(1) is None and led.counters.active_overflows == 1
+    led.check()
+    for h in [*held, extra]:
+        slots.free(h.reshape(-1))
+    alloc.free(kv)
+    assert slots.available_size() == led.active_reserve

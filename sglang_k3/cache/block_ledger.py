@@ -178,6 +178,7 @@ class LedgerCounters:
     peak_active_blocks: int = 0
     reclaims: int = 0  # shortages met by evicting (evict_until calls that evicted something)
     reclaim_evicted_bytes: int = 0  # bytes those evictions freed (KV + checkpoints)
+    active_overflows: int = 0  # state slots handed out beyond the active reserve (from free blocks)
 
 
 class BlockLedger:

@@ -127,6 +127,7 @@ def _never_done() -> bool:
 class LifecycleCounters:
     store_flushes: int = 0  # flush_stores calls that stored something
     stores_flushed: int = 0  # checkpoints stored by them
+    stale_state_skips: int = 0  # live-slot copies not made: the slot had moved past the boundary
 
 
 class CacheLifecycle:
@@ -252,11 +253,25 @@ class CacheLifecycle:
         return CheckpointKind.CHUNK if self.placement.at_chunk_end else None
 
     def checkpoint_running(
-        self, rid: str, node: Node, up_to: int, active_slot: int, kind: Optional[CheckpointKind] = None
+        self,
+        rid: str,
+        node: Node,
+        up_to: int,
+        active_slot: int,
+        kind: Optional[CheckpointKind] = None,
+        state_len: Optional[int] = None,
     ) -> None:
-        """Fork the running request's state at ``up_to`` (its KV is inserted up to ``node``)."""
+        """Fork the running request's state at ``up_to`` (its KV is inserted up to ``node``).
+
+        ``state_len`` is how many tokens the active slot holds where the copy would land (None:
+        exactly ``up_to``). Under an overlap scheduler the next step may already have advanced the
+        slot past ``up_to`` (a prompt end whose first decode token is in flight); its state then
+        belongs to no boundary of this key, and nothing is stored (counted in ``stale_state_skips``)."""
         kind = kind or self.running_kind(rid, up_to)
         if kind is None or self.has_checkpoint_at(node, up_to):
+            return
+        if state_len is not None and state_len != up_to:
+            self.counters.stale_state_skips += 1
             return
         if self._queues_stores():
             self._queue_store(node, up_to, kind, active_slot, release_active=False, rid=rid)
@@ -515,6 +530,7 @@ class CacheLifecycle:
             kv_tokens=self.tree.total_size(),
             store_flushes=self.counters.store_flushes,
             stores_flushed=self.counters.stores_flushed,
+            stale_state_skips=self.counters.stale_state_skips,
         )
         d.update(self.store.stats())
         return d

@@ -28,8 +28,9 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         action="store_true",
         help="On a machine without CUDA, do not add the CPU serving defaults (--device cpu "
         "--attention-backend torch_native --max-total-tokens 8192 --skip-server-warmup "
-        "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule "
-        "--max-mamba-cache-size 32 --sleep-on-idle). Flags given explicitly always win over these defaults.",
+        "--mamba-radix-cache-strategy no_buffer --max-mamba-cache-size 32 --sleep-on-idle, and "
+        "--disable-overlap-schedule for SGLang's own cache under no_buffer or with the cache off; the k3 "
+        "cache keeps the overlap scheduler on). Flags given explicitly always win over these defaults.",
     )
     g.add_argument(
         "--k3-no-chunk-checkpoints",

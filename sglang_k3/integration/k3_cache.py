@@ -34,6 +34,12 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
   forward stream ahead of any forward that could read it.
 * **Full match**: the tree caps the restore point at ``len(key) - 1`` and rounds down to the
   nearest checkpoint, so a fully cached prompt still reuses everything up to that checkpoint.
+* **Overlap scheduler** (on by default): step N+1 is launched before step N's results reach this
+  cache, so a live slot may hold more tokens than the boundary being stored. SGLang counts a
+  step's tokens in ``req.kv.kv_committed_len`` when it prepares the step, so that is the slot's
+  state length in stream order; a live slot is copied (or donated) only when it equals the
+  boundary, and otherwise the boundary gets no state from it (``stale_state_skips``). A prompt
+  end then keeps the state its prefill exported at the last 64-token boundary before it.
 """
 
 from __future__ import annotations
@@ -235,7 +241,10 @@ class K3RadixCache(BasePrefixCache):
             req.kv.mamba_pool_idx = None  # donated, queued for its store, or released
             self.lifecycle.finish(ins.node, up_to, req.kv.kv_committed_len, active, rid=req.rid)
         else:
-            self.lifecycle.checkpoint_running(req.rid, ins.node, up_to, active, kind)
+            # the slot holds the tokens of every step launched so far (SGLang counts a step in
+            # kv_committed_len when it prepares it): under overlap that may be one past up_to
+            state_len = req.kv.kv_committed_len
+            self.lifecycle.checkpoint_running(req.rid, ins.node, up_to, active, kind, state_len=state_len)
 
     def _consume_export(self, req) -> None:
         """The request has checkpointed after its extend: the stash may drop its rows."""
@@ -399,6 +408,7 @@ class K3RadixCache(BasePrefixCache):
             export_stash_peak_bytes=stash.peak_bytes,
             export_stash_last_bytes=stash.last_kept_bytes,
             export_full_peak_bytes=stash.peak_exported_bytes,
+            export_dropped_unconsumed=stash.dropped_unconsumed,
             # quantized hits restored at the forward, batched: average batch = restored / flushes
             deferred_restore_flushes=restores.flushes,
             deferred_restores=restores.restored,
@@ -429,6 +439,7 @@ class K3RadixCache(BasePrefixCache):
             "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
             "memory_reclaims": c.reclaims,
             "memory_reclaim_evicted_bytes": c.reclaim_evicted_bytes,
+            "memory_active_overflows": c.active_overflows,
         }
 
     def pretty_print(self) -> None:
@@ -451,6 +462,7 @@ MEMORY_FIELDS = (
     "memory_peak_checkpoint_bytes",
     "memory_reclaims",
     "memory_reclaim_evicted_bytes",
+    "memory_active_overflows",
 )
 
 

@@ -83,11 +83,17 @@ COUNTERS: dict[str, str] = {
     "export_ahead_unclaimed": "Of those, released unclaimed (the cache already had a checkpoint there).",
     "store_flushes": "Scheduler steps whose quantized checkpoint stores ran together (one launch each).",
     "stores_flushed": "Quantized checkpoints of running/finishing requests stored by those launches.",
+    "export_dropped_unconsumed": (
+        "Sequences whose exported states were dropped unused: the next extend began first "
+        "(an aborted request, an overlapped prefill)."
+    ),
+    "stale_state_skips": "Live-state copies not made: the overlap scheduler had moved the slot past the boundary.",
     "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
     "memory_blocks_to_active": "Unified memory: blocks active states took over.",
     "memory_blocks_to_checkpoints": "Unified memory: blocks checkpoints took over.",
     "memory_reclaims": "Unified memory: shortages met by evicting KV and checkpoints.",
     "memory_reclaim_evicted_bytes": "Unified memory: bytes those evictions freed (fragmentation shows here).",
+    "memory_active_overflows": "Unified memory: state slots given beyond the active reserve, from free blocks.",
 }
 
 

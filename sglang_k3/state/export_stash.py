@@ -32,11 +32,15 @@ The stash holds one forward only. Its rows are dropped as soon as every sequence
 rows has been checkpointed (:meth:`ExportStash.consume`: normally in the same scheduler step; a
 chunked request's chunk is checkpointed at the start of the next step), and at the latest when the
 next extend forward begins (a request aborted in between). That is enough because the cache
-stores right after the forward, before any other extend: the k3 cache runs under
-``--mamba-radix-cache-strategy no_buffer``, which
-upstream only allows with the overlap schedule off, so no second forward starts in between. A lookup
-checks the sequence's extent, and a position that was not planned is "not available" (``None``):
-the cache then does not store it. A state is never stored under a boundary it was not computed for.
+stores an extend's states before the next extend starts. Without the overlap scheduler that is
+the scheduler's order. With it, a decode step may run between an extend and its results (decode
+steps never touch the stash), and ``sglang_k3.launch_server`` sets
+``SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP=1`` for the k3 backend, so SGLang processes one
+extend's results before it launches the next extend. If a user overlaps them anyway, the later
+extend's :meth:`begin` drops the earlier one's rows first; those are counted
+(``dropped_unconsumed``) and simply not stored. A lookup checks the sequence's extent, and a
+position that was not planned is "not available" (``None``): the cache then does not store it. A
+state is never stored under a boundary it was not computed for.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class ExportStash:
         self.peak_exported_bytes = 0
         self.last_kept_bytes = 0  # what the most recent forward that kept rows kept
         self.generation = 0  # bumped by every clear: identifies one forward's rows
+        self.dropped_unconsumed = 0  # sequences whose kept rows the next extend dropped unused (aborted, overlapped)
         self._clear_hooks: list[weakref.WeakMethod] = []
 
     # ------------------------------------------------------------------ configuration
@@ -135,6 +140,8 @@ class ExportStash:
         rids: Optional[list[str]] = None,
     ) -> None:
         """Start a forward: forget the previous one and plan the rows to keep for this one."""
+        if self._unconsumed:
+            self.dropped_unconsumed += len(self._unconsumed)  # checkpointed too late to use them
         self.clear()
         self._batch_key = batch_key
         if rids is not None and len(rids) != len(slots):

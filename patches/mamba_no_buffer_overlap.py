@@ -1,0 +1,50 @@
+"""Let ``--radix-cache-backend k3`` run with SGLang's overlap scheduler under ``no_buffer``.
+
+SGLang 0.5.23 refuses ``no_buffer`` with the overlap scheduler on
+(``arg_groups/mamba_hook.py::validate_mamba_no_buffer``). The reason is upstream's own cache: its
+``no_buffer`` copies a request's live state slot into the tree when the request's result is
+processed, and under overlap the next forward has already advanced that slot (a prompt-end state
+would be stored one decode token late). The k3 cache does not depend on that ordering:
+
+* a live slot is copied only when its state length (``req.kv.kv_committed_len``: SGLang counts
+  a step's tokens when it prepares the step, before launching it, so the slot holds exactly
+  that many tokens in stream order) equals the boundary it is stored under
+  (``CacheLifecycle.checkpoint_running`` and ``finish``); otherwise nothing is stored there;
+* boundaries inside an extend come from the states that extend itself exported
+  (``sglang_k3/state/export_stash.py``), which later forwards do not overwrite.
+
+So for a k3 backend this AROUND hook checks the other ``no_buffer`` conditions (page size 1, no
+``trtllm_mha``) and lets the overlap scheduler stay on. Every other backend keeps upstream's check
+unchanged.
+"""
+
+from __future__ import annotations
+
+TARGET = "sglang.srt.arg_groups.mamba_hook.validate_mamba_no_buffer"
+REASON = "k3 guards its state copies by state length, so no_buffer may run with the overlap scheduler"
+UPSTREAM_VERSION = "0.5.23"
+CPU_ONLY = False
+
+
+class _OverlapAllowed:
+    """The server-args view with the overlap check answered, everything else read through."""
+
+    def __init__(self, view) -> None:
+        self._view = view
+
+    def __getattr__(self, name: str):
+        if name == "disable_overlap_schedule":
+            return True
+        return getattr(self._view, name)
+
+
+def validate_no_buffer(original_fn, view, *args, **kwargs):
+    if getattr(view, "radix_cache_backend", None) == "k3":
+        view = _OverlapAllowed(view)
+    return original_fn(view, *args, **kwargs)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, validate_no_buffer, HookType.AROUND)
