@@ -50,7 +50,13 @@ PRESSURE_OUT = os.path.join(REPO, "benchmarks", "results", "live_ab_pressure")
 # The same bytes for both caches, sized by SGLang's own flags: 1,536 KV tokens + 12 state slots
 # (about 7.8 MB on the embedded model), at most 4 requests running. --enable-metrics exports the
 # running-request gauge the peak is read from.
-PRESSURE_BUDGET = "--max-total-tokens 1536 --max-mamba-cache-size 12 --max-running-requests 4 --enable-metrics"
+PRESSURE_TOTAL_TOKENS = 1536
+PRESSURE_BUDGET = (
+    f"--max-total-tokens {PRESSURE_TOTAL_TOKENS} --max-mamba-cache-size 12 --max-running-requests 4 --enable-metrics"
+)
+# The longest request the pressure budget's servers take (SGLang refuses a prompt within a few
+# tokens of --max-total-tokens): trace conversations with a longer turn are left out of the slice.
+PRESSURE_CONTEXT = PRESSURE_TOTAL_TOKENS - 16
 PRESSURE_SIZES = {
     "mt_conversations": 16,
     "gsp_groups": 6,
@@ -415,6 +421,7 @@ def main(argv=None) -> int:
                     window=args.trace_window,
                     scale=args.trace_scale,
                     max_output=args.trace_max_output,
+                    max_context=PRESSURE_CONTEXT if args.pressure else None,
                 )
             except (TraceError, ValueError) as e:
                 print(f"error: trace workload: {e}", file=sys.stderr)

@@ -138,6 +138,20 @@ def test_trace_slice_links_turns_and_scales():
     assert all(1 <= m <= 16 for m in ts.max_new_tokens)
 
 
+def test_trace_slice_under_a_context_keeps_only_conversations_that_fit():
+    """Under --pressure the servers refuse a prompt near --max-total-tokens (an abort, whose
+    output ids are no answer); the slice leaves out conversations with such a turn."""
+    from benchmarks.live.workloads import build_trace_slice
+
+    kw = dict(requests_n=32, window=3000, scale=32, max_output=16)
+    full = build_trace_slice(REAL_TRACE, **kw)
+    room = live_ab.PRESSURE_CONTEXT
+    assert max(len(p) + m for p, m in zip(full.prompts, full.max_new_tokens)) > room  # the case exists
+    fit = build_trace_slice(REAL_TRACE, max_context=room, **kw)
+    assert len(fit) == 32 and fit.description["max_context"] == room
+    assert max(len(p) + m for p, m in zip(fit.prompts, fit.max_new_tokens)) <= room
+
+
 # ----------------------------------------------------------------------------- end to end
 SMALL = [
     "--gsp-groups",

@@ -63,6 +63,11 @@ def generate_stream(url: str, key: str, input_ids: list[int], max_new_tokens: in
             if meta is None:
                 res.error = "empty stream"
                 return res
+            reason = meta.get("finish_reason") or {}
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                # e.g. a prompt longer than the server's context: its output ids are no answer
+                res.error = f"aborted: {str(reason.get('message', ''))[:280]}"
+                return res
             res.prompt_tokens = int(meta.get("prompt_tokens", len(input_ids)))
             res.cached_tokens = int(meta.get("cached_tokens") or 0)
     except (requests.RequestException, ValueError) as e:

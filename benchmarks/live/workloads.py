@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Optional
 
 from benchmarks.live.client import Progress, Result, generate_stream, summarize, summarize_results
 from benchmarks.trace.mooncake import BLOCK, TraceRequest, load_trace, to_symbolic
@@ -212,7 +213,9 @@ class TraceSlice:
         return len(self.prompts)
 
 
-def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, max_output: int) -> TraceSlice:
+def build_trace_slice(
+    path: str, *, requests_n: int, window: int, scale: int, max_output: int, max_context: Optional[int] = None
+) -> TraceSlice:
     """Take a slice of a Mooncake trace and scale it to fit a CPU, reusing
     ``benchmarks.trace.mooncake`` (``load_trace`` + ``to_symbolic``) for the hash-id -> token rules.
 
@@ -225,7 +228,9 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
     (a request plus its later turns) are taken in order of their first turn until ``requests_n``
     requests are chosen. The first few hundred requests of the shipped trace are all first turns
     (second turns arrive ~2 min later), so "the first N requests" would test nothing but the shared
-    system-prompt block."""
+    system-prompt block. With ``max_context``, a conversation with a turn whose scaled prompt plus
+    output exceeds it is not taken: the server would refuse that turn (and its output ids are no
+    answer), so it would measure nothing."""
     if scale < 1 or BLOCK % scale:
         raise ValueError(f"--trace-scale must divide {BLOCK}, got {scale}")
     block = BLOCK // scale
@@ -248,6 +253,11 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
     for rt in sorted(members):
         if len(members[rt]) < 2 or len(chosen) >= requests_n:
             continue
+        if max_context is not None and any(
+            win[i].input_length + max(1, win[i].output_length) > max_context
+            for i in members[rt][: requests_n - len(chosen)]
+        ):
+            continue
         chosen.extend(members[rt][: requests_n - len(chosen)])
         convs += 1
     if not chosen:
@@ -267,11 +277,13 @@ def build_trace_slice(path: str, *, requests_n: int, window: int, scale: int, ma
             "scale": scale,
             "block_tokens": block,
             "max_output": max_output,
+            "max_context": max_context,
             "rule": (
                 f"input lengths / {scale} (ceil), 512-token hash blocks -> {block} tokens, output lengths / "
                 f"{scale} (floor) capped at {max_output}; multi-turn conversations among the first {window} "
                 f"requests, in order, until {requests_n} requests; dispatched in trace order, closed loop "
                 f"(trace timestamps ignored), a turn waits for its previous turn"
+                + ("" if max_context is None else f"; conversations with a turn over {max_context} tokens skipped")
             ),
             "unscaled_prompt_tokens": sum(reqs[i].input_length for i in chosen),
         }
