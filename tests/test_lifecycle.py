@@ -315,3 +315,48 @@ def test_eviction_alpha_comes_from_the_config():
     assert _lc()[0].tree.policy.alpha == 1.0
     with pytest.raises(ValueError, match="eviction_alpha"):
         K3Config(eviction_alpha=-1.0)
+
+
+class _Grid:
+    """An extend's exports as the server's stash has them: the 64-token grid past its start."""
+
+    def __init__(self, start: int, end: int, kept=()):
+        self.start, self.end, self._kept = start, end, set(kept)
+
+    def grid(self):
+        return list(range(self.start + 64, self.end, 64))
+
+    def kept(self, pos):
+        return pos in self._kept
+
+
+def test_the_state_below_a_fork_outlives_the_turns_that_fork_there():
+    """Requests that continue one prompt differently restore from the last state before the fork
+    (here the prompt's 64-token grid point). When the fork lies less than one grid step above it,
+    the forking request's extend exports nothing nearer: the state it restored from is the branch
+    state, and its own turn end must not drop it as superseded, or the next fork restores
+    nothing (seen live: 0 cached tokens on every other fork)."""
+    lc, _, _ = _lc()
+    prompt = list(range(200))
+    lc.match("a", prompt, admit=True, prompt_len=200)
+    node = lc.insert(prompt, range(200)).node
+    lc.checkpoint_running("a", node, 192, active_slot=1, kind=K.PROMPT_END)  # the exported grid point
+    lc.checkpoint_running("a", node, 200, active_slot=1)
+    full = prompt + [900, 901, 902]
+    lc.finish(lc.insert(full, range(203)).node, 203, 203, active_slot=1, rid="a")
+    lc.release("a")
+    for i, rid in enumerate(["b", "c", "d"]):
+        key = prompt + [500 + 100 * i + j for j in range(70)]  # its own grid point at 256
+        m = lc.match(rid, key, admit=True, prompt_len=len(key))
+        assert m.restore_len == 192, (rid, m.restore_len)
+        assert lc.requests[rid].branch_point == 200
+        ins = lc.insert(key, range(1000 * (i + 2), 1000 * (i + 2) + len(key)))
+        lc.store_exports(rid, ins.node, len(key), _Grid(192, len(key), kept=[256]))
+        assert lc.has_checkpoint_at(ins.node, 256)
+        lc.release_pin(rid)
+        out = key + [7, 8]
+        lc.finish(lc.insert(out, range(1000 * (i + 2), 1000 * (i + 2) + len(out))).node, len(out), len(out), 5, rid=rid)
+        lc.release(rid)
+    ck = next(c for c in lc.tree.checkpoints() if c.pos == 192)
+    assert ck.kind & K.BRANCH and ck.hits == 3 and not ck.superseded
+    lc.tree.check_invariants()

@@ -237,6 +237,8 @@ class CacheLifecycle:
         wanted = self.placement.export_candidates(
             source.grid(), end, rec.prompt_len if rec else None, rec.branch_point if rec else None
         )
+        if rec is not None and not any(k & CheckpointKind.BRANCH for k in wanted.values()):
+            self._restored_is_branch_state(rec)
         for pos, kind in sorted(wanted.items()):
             if self.has_checkpoint_at(node, pos) or not source.kept(pos):
                 continue
@@ -244,6 +246,25 @@ class CacheLifecycle:
             if handle is None:
                 return  # no memory for it now
             self._register(node, pos, handle, kind, rid)
+
+    def _restored_is_branch_state(self, rec: RequestRecord) -> None:
+        """The request forks off the tree at its branch point, and its extend exported no state
+        between its restore point and that fork (it restored less than one grid step below it):
+        the state it restored from, inside the node the fork splits, is then the deepest one
+        before the fork, the one every later fork there restores from. Mark it a branch state (``BRANCH``), as the exported one would
+        have been, so that the turn ends of the requests sharing it do not drop it as superseded
+        (:meth:`_drop_superseded`) and the per-path cap does not recycle it."""
+        ck = rec.restored
+        if (
+            not self.placement.at_branch_points
+            or ck is None
+            or ck.node is None
+            or rec.branch_point is None
+            or ck.pos >= rec.branch_point  # at the fork itself: is_branch_point judges it
+        ):
+            return
+        ck.kind |= CheckpointKind.BRANCH
+        ck.superseded = False
 
     def running_kind(self, rid: str, up_to: int) -> Optional[CheckpointKind]:
         rec = self.requests.get(rid)
