@@ -251,9 +251,10 @@ class CacheLifecycle:
         """The request forks off the tree at its branch point, and its extend exported no state
         between its restore point and that fork (it restored less than one grid step below it):
         the state it restored from, inside the node the fork splits, is then the deepest one
-        before the fork, the one every later fork there restores from. Mark it a branch state (``BRANCH``), as the exported one would
-        have been, so that the turn ends of the requests sharing it do not drop it as superseded
-        (:meth:`_drop_superseded`) and the per-path cap does not recycle it."""
+        before the fork, the one every later fork there restores from. Mark it a branch state
+        (``BRANCH``), as the exported one would have been, so that the turn ends of the requests
+        sharing it do not drop it as superseded (:meth:`_drop_superseded`) and the per-path cap
+        does not recycle it."""
         ck = rec.restored
         if (
             not self.placement.at_branch_points
