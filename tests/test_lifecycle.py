@@ -360,3 +360,25 @@ def test_the_state_below_a_fork_outlives_the_turns_that_fork_there():
     ck = next(c for c in lc.tree.checkpoints() if c.pos == 192)
     assert ck.kind & K.BRANCH and ck.hits == 3 and not ck.superseded
     lc.tree.check_invariants()
+
+
+def test_requests_admitted_together_find_their_fork_when_their_forward_is_planned():
+    """Two prompts sharing a 128-token prefix are admitted before either has a path in the tree
+    (one batch, or the overlap scheduler admitting the second before the first prefill's results
+    are processed): at match neither sees a fork. When the second one's forward is planned the
+    first one's path is in, so it keeps the state at the shared prefix for the next sharer."""
+    lc, _, _ = _lc()
+    shared = list(range(128))
+    a, b = shared + list(range(1000, 1100)), shared + list(range(2000, 2100))
+    lc.match("a", a, admit=True, prompt_len=len(a))
+    lc.match("b", b, admit=True, prompt_len=len(b))
+    assert lc.requests["b"].branch_point is None  # the tree was empty
+    lc.export_plan("a", _Grid(0, len(a)).grid(), len(a))
+    lc.insert(a, range(len(a)))
+    plan = lc.export_plan("b", _Grid(0, len(b)).grid(), len(b))
+    assert lc.requests["b"].branch_point == 128 and 128 in plan
+    ins = lc.insert(b, range(5000, 5000 + len(b)))
+    lc.store_exports("b", ins.node, len(b), _Grid(0, len(b), kept=plan))
+    c = shared + list(range(3000, 3050))
+    assert lc.match(None, c, admit=False).restore_len == 128
+    lc.tree.check_invariants()

@@ -106,6 +106,9 @@ class RequestRecord:
     repeat: bool = False  # its whole prompt was already cached: a regenerated or repeated prompt
     placed: list[Checkpoint] = field(default_factory=list)  # checkpoints it put in the tree
     restored: Optional[Checkpoint] = None  # the checkpoint its hit restored from
+    # Its key, kept from a match that found no branch point until its first forward is planned
+    # (:meth:`CacheLifecycle.export_plan`): another request's path may have joined the tree since.
+    unplanned_key: Optional[Sequence[int]] = field(default=None, repr=False)
 
 
 @dataclass
@@ -172,6 +175,7 @@ class CacheLifecycle:
                 self._prune_at = 2 * len(self.requests) + 64
             if self.placement.at_branch_points:
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
+                rec.unplanned_key = tokens if rec.branch_point is None else None
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
         if admit and rid is not None:
             rec = self.requests[rid]
@@ -223,6 +227,12 @@ class CacheLifecycle:
         """Which exported grid positions of ``rid``'s extend the cache may store (asked when the
         forward begins, so only those rows are kept)."""
         rec = self.requests.get(rid) if rid is not None else None
+        if rec is not None and rec.unplanned_key is not None:
+            # Requests admitted together, or (overlap scheduler) admitted before an earlier
+            # prefill's results were processed, matched a tree without each other's paths; by
+            # their forward those paths may be in: look for the fork again, once.
+            rec.branch_point = self.tree.find_branch_point(rec.unplanned_key) or None
+            rec.unplanned_key = None
         return list(
             self.placement.export_candidates(
                 grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None
