@@ -153,14 +153,16 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         got = super().alloc(need_size)
-        if got is None and self.evict_blocks is not None and need_size <= self.available_size():
-            self.evict_blocks(need_size)  # until need_size slots are free: borrowing checkpoints go
+        if got is None and self.evict_blocks is not None:
+            # until need_size slots are free: the checkpoints borrowing region slots go, else KV
+            # and checkpoints elsewhere, by value (never live data: only the tree's unlocked)
+            self.evict_blocks(need_size)
             got = self._do_alloc(need_size)
         if got is None and self.ledger.free_slots(limit=need_size) >= need_size:
-            # More states live than SGLang's count of request slots (the reserve): seen once under
-            # the overlap scheduler, where admission runs before the last step's results release
-            # their requests. Free blocks can hold them (never live data: nothing is evicted
-            # here); SGLang would otherwise stop the server on its allocation assertion.
+            # More states live than SGLang's count of request slots (the reserve): under the
+            # overlap scheduler admission runs before the last step's results release their
+            # requests (a request that finished at its prefill still holds its slot). Free
+            # blocks hold them; SGLang would otherwise stop the server on its allocation assertion.
             got = torch.tensor(
                 [self.ledger.active_alloc() for _ in range(need_size)], dtype=torch.int64, device=self.device
             )
