@@ -186,8 +186,12 @@ def _mla_pool(token_to_kv_pool):
     return full
 
 
-def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
-    """Size the budget as SGLang sized its two pools and check the floors fit."""
+def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = False):
+    """Size the budget as SGLang sized its two pools and check the floors fit. The active reserve
+    is SGLang's count of request slots: one state per running request, twice that under the
+    overlap scheduler, where the next batch is admitted while the last one's requests (finished
+    ones too) still hold their states. One pressure run in two stopped on SGLang's allocation
+    assertion with a reserve of one per request (5 states wanted against 4)."""
     state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
     ckpt = CheckpointLayout.of_state(state, parse_checkpoint_dtype(cfg.checkpoint_dtype))
     kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
@@ -198,7 +202,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     geom = plan_geometry(
         kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
     )
-    reserve = max(1, min(int(mamba_pool.size), int(max_running)))
+    reserve = max(1, min(int(mamba_pool.size), int(max_running) * (2 if overlap else 1)))
     span = geom.active_span
     need = {
         f"the padding target ({span} blocks)": span,
@@ -227,7 +231,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     return ledger, state, ckpt, sizes
 
 
-def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
+def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overlap: bool = False):
     """Rebuild the KV and state pools over one buffer; returns the new KV allocator, or None when
     this configuration has no unified pool (not an MLA + KDA hybrid)."""
     kv_pool = _mla_pool(token_to_kv_pool)
@@ -235,7 +239,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     if kv_pool is None or mamba_pool is None or getattr(allocator, "page_size", 1) != 1:
         logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid at page size 1; pools left as SGLang built them")
         return None
-    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
+    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size, overlap=overlap)
     g = ledger.geom
     n_layers, dim = len(kv_pool.kv_buffer), kv_pool.kv_buffer[0].shape[-1]
     kv_dtype, device = kv_pool.kv_buffer[0].dtype, kv_pool.kv_buffer[0].device
