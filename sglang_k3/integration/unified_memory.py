@@ -190,8 +190,8 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = F
     """Size the budget as SGLang sized its two pools and check the floors fit. The active reserve
     is SGLang's count of request slots: one state per running request, twice that under the
     overlap scheduler, where the next batch is admitted while the last one's requests (finished
-    ones too) still hold their states. One pressure run in two stopped on SGLang's allocation
-    assertion with a reserve of one per request (5 states wanted against 4)."""
+    ones too) still hold their states. With one per request, three of four live A/B pressure runs
+    stopped on SGLang's allocation assertion (5 states wanted against 4)."""
     state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
     ckpt = CheckpointLayout.of_state(state, parse_checkpoint_dtype(cfg.checkpoint_dtype))
     kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
