@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -73,8 +74,6 @@ def test_k3_runs_with_the_overlap_scheduler_by_default(monkeypatch):
     monkeypatch.delenv(L.CONSECUTIVE_PREFILL_ENV, raising=False)
     k3, _ = L.build_argv(["--model-path", "/m"])
     assert "--disable-overlap-schedule" not in k3 and "no_buffer" in k3
-    import os
-
     assert os.environ[L.CONSECUTIVE_PREFILL_ENV] == "1"
     off, _ = L.build_argv(["--model-path", "/m", "--disable-radix-cache"])
     assert "--disable-overlap-schedule" in off
