@@ -17,6 +17,7 @@ import os
 
 ENV_CONFIG = "SGLANG_K3_CONFIG"
 CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
+TIER_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,8 @@ class K3Config:
     min_checkpoints: int = 0  # unified: KV and state pressure never evict checkpoints below this
     max_checkpoints: int = 0  # unified: at most this many checkpoints (0: no cap)
     eviction_alpha: float = 1.0  # weight of FLOPs saved per byte against recency in eviction
+    host_tier_gib: float = 0.0  # host tier for evicted boundaries (KV + state), GiB; 0: off
+    tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
@@ -54,6 +57,12 @@ class K3Config:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         if not (self.eviction_alpha >= 0 and self.eviction_alpha < float("inf")):
             raise ValueError(f"eviction_alpha must be a finite number >= 0 (got {self.eviction_alpha})")
+        if not (self.host_tier_gib >= 0 and self.host_tier_gib < float("inf")):
+            raise ValueError(f"host_tier_gib must be a finite number >= 0 (got {self.host_tier_gib})")
+        if self.tier_write_policy not in TIER_WRITE_POLICIES:
+            raise ValueError(
+                f"tier write policy {self.tier_write_policy!r}: choose one of {', '.join(TIER_WRITE_POLICIES)}"
+            )
         if self.checkpoint_slots < 1:
             raise ValueError(f"checkpoint_slots must be >= 1 (got {self.checkpoint_slots})")
         if self.max_checkpoints and self.min_checkpoints > self.max_checkpoints:

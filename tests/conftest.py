@@ -59,6 +59,20 @@ SERVER_CONFIGS: dict[str, list[str]] = {
         "--chunked-prefill-size",
         "256",
     ],
+    # A host tier under a device budget far too small for the workload (1,024 KV tokens, 6 state
+    # slots): most hits come back from host memory; fp32 checkpoints so greedy tokens are exact.
+    "k3_host_tier": [
+        "--k3-checkpoint-dtype",
+        "fp32",
+        "--max-total-tokens",
+        "1024",
+        "--max-mamba-cache-size",
+        "6",
+        "--max-running-requests",
+        "2",
+        "--k3-host-tier-gib",
+        "1",
+    ],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],
 }

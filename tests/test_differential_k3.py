@@ -16,7 +16,7 @@ from scripted_workload import compare, make_script, run_script
 SEEDS = [101, 202]
 
 
-@pytest.mark.parametrize("config", ["k3", "k3_no_overlap", "k3_small"])
+@pytest.mark.parametrize("config", ["k3", "k3_no_overlap", "k3_small", "k3_host_tier"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_k3_greedy_equals_no_cache(server_factory, config, seed):
     script = make_script(seed)

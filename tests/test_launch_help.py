@@ -111,3 +111,22 @@ def test_k3_with_another_state_strategy_is_refused_with_the_reason():
 
     with pytest.raises(SystemExit, match="k3 runs with --mamba-radix-cache-strategy no_buffer"):
         L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy=extra_buffer"])
+
+
+def test_host_tier_flags_are_checked_before_the_server_starts():
+    from sglang_k3.integration.k3_args import from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_k3_args(parser)
+    bad = {
+        "finite number >= 0": ["--k3-host-tier-gib", "-1"],
+        "checkpoint pool": ["--k3-host-tier-gib", "1", "--k3-no-unified-memory", "--k3-checkpoint-dtype", "fp32"],
+    }
+    for msg, argv in bad.items():
+        with pytest.raises(SystemExit, match=msg):
+            from_namespace(parser.parse_args(argv))
+    with pytest.raises(SystemExit):  # argparse: not one of SGLang's policy names
+        parser.parse_args(["--k3-tier-write-policy", "write_sometimes"])
+    cfg = from_namespace(parser.parse_args(["--k3-host-tier-gib", "2.5", "--k3-tier-write-policy", "write_through"]))
+    assert (cfg.host_tier_gib, cfg.tier_write_policy) == (2.5, "write_through")
+    assert from_namespace(parser.parse_args([])).host_tier_gib == 0  # off by default

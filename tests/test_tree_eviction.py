@@ -99,13 +99,38 @@ def test_freed_carries_typed_actions_with_the_reason():
     key, node, [c64, c128] = branch(tree, kv, h, 1, 256, [64, 128])
     c64.kind = CheckpointKind.CHUNK  # superseded by 128 on the same path: recyclable
     rec = tree.recycle_path(node, PlacementPolicy())
-    assert rec.actions == [ReleaseCheckpoint(c64.handles, 64, 1000, DropReason.RECYCLED)]
+    assert rec.actions == [ReleaseCheckpoint(c64.handles, 64, 1000, DropReason.RECYCLED, CheckpointKind.CHUNK)]
     ev = tree.evict(num_tokens=1000)
     kinds = [type(a) for a in ev.actions]
     assert ReleaseCheckpoint in kinds and FreeKV in kinds
     assert [a.reason for a in ev.actions if isinstance(a, ReleaseCheckpoint)] == [DropReason.EVICTED]
     assert sorted(i for a in ev.actions if isinstance(a, FreeKV) for i in a.indices) == sorted(ev.kv_indices)
     assert len(ev.kv_indices) == 256 and ev.handles == c128.handles and tree.total_size() == 0
+
+
+def test_evicted_boundaries_carry_their_path_for_a_lower_tier_only_when_asked():
+    """With ``capture_evicted`` (a lower tier is on) an evicted checkpoint hands back the tokens and
+    KV indices of its path up to its position, read before the KV goes; a recycled or superseded
+    one does not (neither is worth keeping below), and without the flag nothing is captured."""
+    from sglang_k3.cache import ReleaseCheckpoint
+
+    for capture in (False, True):
+        tree, kv, h = build()
+        tree.capture_evicted = capture
+        key, node, [c64, c128] = branch(tree, kv, h, 1, 256, [64, 128])
+        other, _, [d64] = branch(tree, kv, h, 2, 192, [64])
+        d64.superseded = True
+        ev = tree.evict(num_tokens=10_000)
+        rel = {a.pos: a for a in ev.actions if isinstance(a, ReleaseCheckpoint) and a.handles != d64.handles}
+        assert sorted(rel) == [64, 128]
+        sup = [a for a in ev.actions if isinstance(a, ReleaseCheckpoint) and a.handles == d64.handles]
+        assert len(sup) == 1 and sup[0].path_tokens is None
+        for pos, a in rel.items():
+            if capture:
+                assert a.path_tokens == list(key[:pos]) and len(a.path_kv) == pos
+                assert set(a.path_kv) <= set(ev.kv_indices)  # the same KV the eviction frees
+            else:
+                assert a.path_tokens is None and a.path_kv is None
 
 
 # ---------------------------------------------------------------- one budget for both kinds

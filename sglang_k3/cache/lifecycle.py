@@ -29,6 +29,7 @@ write has been issued (``_land``). Stores run at once, or, inside a store scope
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -37,6 +38,8 @@ from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
 from sglang_k3.cache.results import DropReason, Freed, FreeKV, InsertResult, MatchResult, Pin, ReleaseCheckpoint
 from sglang_k3.cache.tree import K3RadixTree
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointStore(Protocol):
@@ -131,6 +134,7 @@ class LifecycleCounters:
     store_flushes: int = 0  # flush_stores calls that stored something
     stores_flushed: int = 0  # checkpoints stored by them
     stale_state_skips: int = 0  # live-slot copies not made: the slot had moved past the boundary
+    tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
 
 
 class CacheLifecycle:
@@ -140,11 +144,21 @@ class CacheLifecycle:
         placement: PlacementPolicy,
         store: CheckpointStore,
         free_kv: Callable[[list[int]], None],
+        tiers: Optional["TierManager"] = None,  # noqa: F821
+        alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
     ) -> None:
         self.tree = tree
         self.placement = placement
         self.store = store
         self._free_kv = free_kv
+        # Lower tiers (host, Mooncake): evicted boundaries go down, admitted requests bring the
+        # deepest one back up (sglang_k3.tiers.manager). alloc_kv gives KV slots for the KV that
+        # comes up (None when there is no room, even after evicting).
+        if tiers is not None and alloc_kv is None:
+            raise ValueError("lower tiers need alloc_kv to bring KV back to the device")
+        self.tiers = tiers
+        self._alloc_kv = alloc_kv
+        tree.capture_evicted = tiers is not None
         self.requests: dict[str, RequestRecord] = {}
         self._prune_at = 64
         self._store_scope = 0
@@ -176,13 +190,96 @@ class CacheLifecycle:
             if self.placement.at_branch_points:
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
                 rec.unplanned_key = tokens if rec.branch_point is None else None
+            if self.tiers is not None:
+                self._promote(tokens)
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
         if admit and rid is not None:
             rec = self.requests[rid]
             rec.pin = res.pin
             rec.restored = res.checkpoint
             rec.repeat = res.mla_len >= len(tokens) > 0
+            if res.checkpoint is not None and res.checkpoint.hits == 1 and self._writes_through("selective"):
+                self._save(res.checkpoint)
         return res
+
+    # ------------------------------------------------------------------ lower tiers
+    def _writes_through(self, which: str = "") -> bool:
+        """Whether the tier policy copies a boundary down before eviction: at landing
+        (``write_through``) or at its first hit (``write_through_selective``)."""
+        if self.tiers is None:
+            return False
+        return self.tiers.write_policy == ("write_through_selective" if which == "selective" else "write_through")
+
+    def _save(self, ck: Checkpoint) -> None:
+        """Copy ``ck`` (landed, in the tree) and its path's KV to the lower tiers now."""
+        if ck.node is None or not ck.matchable:
+            return
+        tokens, kv = self.tree.path_prefix(ck.node, ck.pos)
+        self._tier_save(tokens, kv, ck.pos, ck.handles[0], int(ck.kind))
+
+    def _tier_save(self, tokens, kv, pos: int, handle: int, kind: int) -> None:
+        try:
+            self.tiers.save(tokens, kv, pos, handle, kind)  # type: ignore[union-attr]
+        except Exception:  # a tier failing must never take the device cache down with it
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
+
+    def _promote(self, tokens: Sequence[int]) -> None:
+        """Bring the deepest boundary the lower tiers hold past the device's own restore point
+        onto the device: its missing KV into fresh KV slots, inserted into the tree, and its state
+        as a ready checkpoint. Nothing changes when no such boundary exists, a part of it is
+        missing or invalid, or the device has no room for it now."""
+        tiers = self.tiers
+        if tiers is None or len(tokens) < 2:
+            return
+        path, mla_len, restore = self.tree.peek(tokens)
+        try:
+            plan = tiers.find(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
+        except Exception:
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: lookup failed; serving from the device only")
+            return
+        if plan is None:
+            return
+        anchor = path[-1] if path else None
+        if anchor is not None:
+            self.tree.inc_lock_ref(anchor)  # the KV below the boundary stays while we allocate
+        new_kv: Optional[list[int]] = None
+        handle: Optional[int] = None
+        try:
+            n = plan.pos - plan.kv_from
+            new_kv = self._alloc_kv(n) if n else []  # type: ignore[misc]
+            handle = self.store.alloc() if new_kv is not None else None
+            if new_kv is None or handle is None:
+                tiers.counters.load_no_memory += 1
+                return
+            kind = tiers.load(plan, new_kv, handle)
+            if kind is None:
+                return
+            kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv)
+            ins = self.insert(tokens[: plan.pos], kv)
+            new_kv = None  # the tree's now (insert freed any it already held)
+            ck = self.tree.add_checkpoint(
+                ins.node,
+                plan.pos,
+                [handle],
+                self.store.slot_bytes,
+                kind=CheckpointKind(kind) or CheckpointKind.GEN_END,
+                ready=True,
+            )
+            if ck is not None:
+                handle = None
+                tiers.counters.load_tokens += plan.pos - restore
+        except Exception:
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: bringing the boundary at %d up failed; serving from the device only", plan.pos)
+        finally:
+            if new_kv:
+                self._free_kv(list(new_kv))
+            if handle is not None:
+                self.store.free([handle])
+            if anchor is not None:
+                self.tree.dec_lock_ref(anchor)
 
     def release_pin(self, rid: str) -> None:
         """The request's copy-on-write has landed (or will never run): its checkpoint may go."""
@@ -475,14 +572,20 @@ class CacheLifecycle:
     def _land(self, node: Node, ck: Checkpoint) -> None:
         """``ck``'s write has been issued: make it matchable and apply the path's budget."""
         self.tree.mark_ready(ck)
+        if self._writes_through():
+            self._save(ck)
         attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
         self._apply(self.tree.recycle_path(node if attached else ck.node, self.placement))
 
     # ------------------------------------------------------------------ eviction
     def _apply(self, freed: Freed) -> Freed:
         """Execute the tree's actions: KV indices back to the KV pool, checkpoint handles back to
-        the store, each kind in one call. (A lower tier would demote an ``EVICTED`` checkpoint
-        here instead of freeing it.)"""
+        the store, each kind in one call. With lower tiers, an evicted boundary is saved there
+        first, while its KV and state are still in place."""
+        if self.tiers is not None:
+            for a in freed.actions:
+                if isinstance(a, ReleaseCheckpoint) and a.path_tokens is not None and a.handles:
+                    self._tier_save(a.path_tokens, a.path_kv, a.pos, a.handles[0], a.kind)
         kv = [i for a in freed.actions if isinstance(a, FreeKV) for i in a.indices]
         handles = [h for a in freed.actions if isinstance(a, ReleaseCheckpoint) for h in a.handles]
         if handles:
@@ -563,8 +666,11 @@ class CacheLifecycle:
             store_flushes=self.counters.store_flushes,
             stores_flushed=self.counters.stores_flushed,
             stale_state_skips=self.counters.stale_state_skips,
+            tier_errors=self.counters.tier_errors,
         )
         d.update(self.store.stats())
+        if self.tiers is not None:
+            d.update(self.tiers.stats())
         return d
 
 
@@ -594,9 +700,15 @@ def build_tree(eviction: EvictionPolicy) -> K3RadixTree:
 
 
 def build_lifecycle(
-    cfg, store: CheckpointStore, eviction: EvictionPolicy, free_kv: Callable[[list[int]], None], unit: int = 1
+    cfg,
+    store: CheckpointStore,
+    eviction: EvictionPolicy,
+    free_kv: Callable[[list[int]], None],
+    unit: int = 1,
+    tiers=None,
+    alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
 ) -> CacheLifecycle:
     """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
     host gives the eviction policy its cost model; the config gives it its alpha)."""
     eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
-    return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv)
+    return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv, tiers, alloc_kv)

@@ -90,6 +90,11 @@ class ReleaseCheckpoint:
     pos: int
     nbytes: int
     reason: DropReason
+    kind: int = 0  # the checkpoint's CheckpointKind flags
+    # An evicted boundary a lower tier may keep: the tokens and KV indices of its path up to
+    # ``pos``, captured while the KV is still in the tree (only when the tree is asked to).
+    path_tokens: Optional[list[int]] = None
+    path_kv: Optional[list[int]] = None
 
 
 CacheAction = Union[FreeKV, ReleaseCheckpoint]
@@ -112,8 +117,17 @@ class Freed:
             self.actions.append(FreeKV(list(indices)))
             self.kv_indices.extend(indices)
 
-    def add_checkpoint(self, handles: list[int], pos: int, nbytes: int, reason: DropReason) -> None:
-        self.actions.append(ReleaseCheckpoint(list(handles), pos, nbytes, reason))
+    def add_checkpoint(
+        self,
+        handles: list[int],
+        pos: int,
+        nbytes: int,
+        reason: DropReason,
+        kind: int = 0,
+        path: Optional[tuple[list[int], list[int]]] = None,
+    ) -> None:
+        tokens, kv = path if path is not None else (None, None)
+        self.actions.append(ReleaseCheckpoint(list(handles), pos, nbytes, reason, int(kind), tokens, kv))
         self.handles.extend(handles)
         self.checkpoint_bytes += nbytes
         self.checkpoints += 1

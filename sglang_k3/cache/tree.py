@@ -81,6 +81,9 @@ class K3RadixTree:
         # (a caller whose requests keep private state copies needs a checkpoint only until its
         # copy has landed, and pins exactly that window).
         self.lock_protects_checkpoints = lock_protects_checkpoints
+        # True when a lower tier keeps evicted boundaries: an eviction then hands back the path's
+        # tokens and KV indices with the checkpoint (ReleaseCheckpoint.path_tokens / path_kv).
+        self.capture_evicted = False
         self.stats = CacheStats()
         self._clock = 0
         self._next_id = 0
@@ -277,6 +280,33 @@ class K3RadixTree:
             out.extend(n.kv)
         return out
 
+    def path_prefix(self, node: Node, pos: int) -> tuple[list[int], list[int]]:
+        """Tokens and KV indices of the path to ``node``, cut at ``pos`` (``<= node.end``)."""
+        self._check_attached(node)
+        tokens: list[int] = []
+        kv: list[int] = []
+        for n in reversed(list(self._path(node))):
+            tokens.extend(n.key)
+            kv.extend(n.kv)
+        return tokens[:pos], kv[:pos]
+
+    def peek(self, key: Sequence[int]) -> tuple[list[Node], int, int]:
+        """Read-only lookup, no recency, pins or stats: ``(path, mla_len, restore_len)``, the
+        path being the nodes the KV match touched (the last one possibly only in part)."""
+        path, mla_len = self._walk(key)
+        best = self._best_checkpoint(path, min(mla_len, len(key) - 1))
+        return path, mla_len, best.pos if best is not None else 0
+
+    @staticmethod
+    def prefix_kv(path: Sequence[Node], n: int) -> list[int]:
+        """KV indices of the first ``n`` tokens along ``path`` (as :meth:`peek` returns it)."""
+        out: list[int] = []
+        for node in path:
+            if len(out) >= n:
+                break
+            out.extend(node.kv[: n - len(out)])
+        return out
+
     # ------------------------------------------------------------------ insertion
     def _split(self, child: Node, n: int) -> Node:
         """Split ``child`` after ``n`` tokens (a page multiple); returns the new upper node."""
@@ -452,6 +482,9 @@ class K3RadixTree:
         if ck.pins > 0 or not ck.ready:
             raise CheckpointBusy(f"checkpoint at {ck.pos} is pinned or its copy has not landed")
         assert ck.node is not None
+        path = None
+        if reason is DropReason.EVICTED and self.capture_evicted and not ck.superseded:
+            path = self.path_prefix(ck.node, ck.pos)
         del ck.node.checkpoints[ck.pos]
         del self._ckpts[ck.id]
         handles = ck.held_handles()
@@ -462,7 +495,7 @@ class K3RadixTree:
         self.stats.checkpoints -= 1
         self.stats.checkpoint_bytes -= ck.nbytes
         freed = Freed()
-        freed.add_checkpoint(handles, ck.pos, ck.nbytes, reason)
+        freed.add_checkpoint(handles, ck.pos, ck.nbytes, reason, ck.kind, path)
         return freed
 
     def path_checkpoints(self, node: Node) -> list[Checkpoint]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from sglang_k3.config import ENV_CONFIG, K3Config, from_env  # noqa: F401  (re-exported)
+from sglang_k3.config import ENV_CONFIG, TIER_WRITE_POLICIES, K3Config, from_env  # noqa: F401  (re-exported)
 
 
 def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -140,6 +140,23 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "workload and the budget: on the replay's conversation trace 0 does better at 40-80 GiB, "
         "on its fork-heavy trace 1 does better at 10-20 GiB (README, trace replay).",
     )
+    g.add_argument(
+        "--k3-host-tier-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="k3 cache: keep boundaries evicted from the device (a checkpoint, INT8 as stored, with "
+        "the MLA KV of its prefix) in a host-memory tier of GIB GiB, least recently used out, and "
+        "bring the deepest one a new request can use back before its prefill (default 0: off).",
+    )
+    g.add_argument(
+        "--k3-tier-write-policy",
+        choices=TIER_WRITE_POLICIES,
+        default="write_back",
+        help="k3 cache: when a boundary is copied to the lower tiers, with SGLang HiCache's names: "
+        "write_back (default) when the device evicts it; write_through as soon as it is stored; "
+        "write_through_selective at its first hit. Each also saves at eviction what is not below yet.",
+    )
     return g
 
 
@@ -155,6 +172,13 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
             raise SystemExit(f"--k3-{flag.replace('_', '-')} must be >= 0")
     if not (0 <= ns.k3_eviction_alpha < float("inf")):
         raise SystemExit("--k3-eviction-alpha must be a finite number >= 0")
+    if not (0 <= ns.k3_host_tier_gib < float("inf")):
+        raise SystemExit("--k3-host-tier-gib must be a finite number >= 0")
+    if ns.k3_host_tier_gib > 0 and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
+        raise SystemExit(
+            "--k3-host-tier-gib moves checkpoints out of a checkpoint pool: use unified memory (the "
+            "default) or --k3-checkpoint-dtype int8/bf16 with --k3-no-unified-memory"
+        )
     if ns.k3_max_checkpoints and ns.k3_min_checkpoints > ns.k3_max_checkpoints:
         raise SystemExit("--k3-min-checkpoints is above --k3-max-checkpoints")
     return K3Config(
@@ -174,6 +198,8 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         min_checkpoints=ns.k3_min_checkpoints,
         max_checkpoints=ns.k3_max_checkpoints,
         eviction_alpha=ns.k3_eviction_alpha,
+        host_tier_gib=ns.k3_host_tier_gib,
+        tier_write_policy=ns.k3_tier_write_policy,
     )
 
 

@@ -64,7 +64,8 @@ from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.lifecycle import build_lifecycle
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
-from sglang_k3.integration.unified_memory import checkpoint_buffers, unified_of
+from sglang_k3.integration.tier_setup import build_tiers
+from sglang_k3.integration.unified_memory import checkpoint_buffers, mla_pool_of, unified_of
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedPlacement, make_store
 from sglang_k3.state.deferred_restore import DeferredRestores
@@ -75,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 
 class K3RadixCache(BasePrefixCache):
-    def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None):
+    def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None, tier_ctx=None):
         if params.page_size not in (1, None):
             raise ValueError(f"--radix-cache-backend k3 needs --page-size 1 (got {params.page_size})")
         self.req_to_token_pool = params.req_to_token_pool
@@ -108,7 +109,12 @@ class K3RadixCache(BasePrefixCache):
             self.fwd,
             placement,
         )
-        self.lifecycle = build_lifecycle(cfg, self.store, _eviction_policy(hf_config), self._free_kv)
+        # Lower tiers (--k3-host-tier-gib): evicted boundaries go to host memory, admitted requests
+        # bring the deepest usable one back (sglang_k3.tiers); None when off.
+        self.tiers = build_tiers(cfg, tier_ctx, mla_pool_of(self.token_to_kv_pool_allocator.get_kvcache()), self.store)
+        self.lifecycle = build_lifecycle(
+            cfg, self.store, _eviction_policy(hf_config), self._free_kv, tiers=self.tiers, alloc_kv=self._alloc_kv
+        )
         if self.unified is not None:
             self.evictor = UnifiedEviction(self.lifecycle, self.ledger, keep_checkpoints=cfg.min_checkpoints)
         self.tree = self.lifecycle.tree
@@ -305,6 +311,15 @@ class K3RadixCache(BasePrefixCache):
     # ---------------------------------------------------------------- eviction and sizes
     def _free_kv(self, indices: list[int]) -> None:
         self.token_to_kv_pool_allocator.free(torch.tensor(indices, dtype=torch.int64, device=self._kv_device))
+
+    def _alloc_kv(self, n: int) -> Optional[list[int]]:
+        """``n`` KV slots for KV brought up from a lower tier, evicting if needed; None if none."""
+        alloc = self.token_to_kv_pool_allocator
+        got = alloc.alloc(n)
+        if got is None:
+            self.evict(EvictParams(num_tokens=n))
+            got = alloc.alloc(n)
+        return None if got is None else got.tolist()
 
     def _evict_slots(self, n: int) -> int:
         """Free ``n`` mamba-pool slots held by checkpoints (only fp32 checkpoints hold any)."""

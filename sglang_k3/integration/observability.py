@@ -66,6 +66,9 @@ GAUGES: dict[str, str] = {
     "memory_largest_free_run_bytes": "Unified memory: the longest run of free blocks, in bytes.",
     "memory_peak_kv_bytes": "Unified memory: peak of memory_kv_bytes.",
     "memory_peak_checkpoint_bytes": "Unified memory: peak of memory_checkpoint_bytes.",
+    "tier_host_bytes": "Host tier (--k3-host-tier-gib): bytes of objects held.",
+    "tier_host_objects": "Host tier: objects held (KV blocks and boundaries).",
+    "tier_host_budget_bytes": "Host tier: its budget (0: off).",
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
@@ -94,7 +97,26 @@ COUNTERS: dict[str, str] = {
     "memory_reclaims": "Unified memory: shortages met by evicting KV and checkpoints.",
     "memory_reclaim_evicted_bytes": "Unified memory: bytes those evictions freed (fragmentation shows here).",
     "memory_active_overflows": "Unified memory: state slots given beyond the active reserve, from free blocks.",
+    "tier_saves": "Lower tiers: boundaries (state + KV of their prefix) written below the device.",
+    "tier_save_failures": "Lower tiers: boundaries a tier could not take (full): not kept there.",
+    "tier_saved_kv_blocks": "Lower tiers: 64-token MLA KV blocks written.",
+    "tier_save_seconds": "Lower tiers: seconds spent saving.",
+    "tier_lookups": "Lower tiers: admissions that looked below the device.",
+    "tier_loads": "Lower tiers: boundaries brought back to the device (hits below the device).",
+    "tier_load_tokens": "Lower tiers: prefix tokens gained over the device's own restore point.",
+    "tier_load_kv_tokens": "Lower tiers: MLA KV tokens copied back to the device.",
+    "tier_load_bytes": "Lower tiers: bytes read back.",
+    "tier_find_seconds": "Lower tiers: seconds spent hashing prompts and asking the tiers at admission.",
+    "tier_load_seconds": "Lower tiers: seconds spent fetching, checking and copying back.",
+    "tier_load_no_memory": "Lower tiers: boundaries found but not loaded, the device being full of pinned data.",
+    "tier_invalid_objects": "Lower tiers: objects that failed validation (key, layout, checksum): misses.",
+    "tier_incomplete": "Lower tiers: boundaries whose part vanished between lookup and load: misses.",
+    "tier_host_hits": "Host tier: loads whose boundary came from host memory.",
+    "tier_host_evictions": "Host tier: objects evicted, least recently used first.",
+    "tier_errors": "Lower tiers: exceptions raised by a tier (logged; the device cache carried on).",
 }
+# Present (0) when no lower tier is on, so the series exist either way.
+TIER_FIELDS = tuple(f for f in (*GAUGES, *COUNTERS) if f.startswith("tier_"))
 
 
 def metric_name(field: str) -> str:
@@ -120,6 +142,8 @@ def k3_cache_of(tree_cache: Any):
 def server_snapshot(cache) -> dict[str, Any]:
     """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
     snap: dict[str, Any] = dict(cache.stats_dict())
+    for f in TIER_FIELDS:
+        snap.setdefault(f, 0)
     snap["checkpoint_slot_bytes"] = int(cache.store.slot_bytes)
     snap["checkpoint_dtype"] = str(cache.store.dtype)
     return snap

@@ -30,9 +30,17 @@ def k3_factory(ctx):
         return default_radix_cache_factory(ctx)
     from sglang_k3.integration.k3_args import current
     from sglang_k3.integration.k3_cache import K3RadixCache
+    from sglang_k3.integration.tier_setup import TierContext
 
     hf = getattr(ctx.model_config, "hf_config", None)
-    return K3RadixCache(ctx.params, current(), hf_config=hf.to_dict() if hf is not None else None)
+    sa = ctx.server_args
+    tier_ctx = TierContext(
+        model_path=sa.model_path,
+        tokenizer_path=sa.tokenizer_path or sa.model_path,
+        tp_rank=ctx.tp_rank,
+        tp_size=ctx.tp_size,
+    )
+    return K3RadixCache(ctx.params, current(), hf_config=hf.to_dict() if hf is not None else None, tier_ctx=tier_ctx)
 
 
 def register() -> None:

@@ -179,7 +179,7 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
             self.ledger.active_free(int(b))
 
 
-def _mla_pool(token_to_kv_pool):
+def mla_pool_of(token_to_kv_pool):
     full = getattr(token_to_kv_pool, "full_kv_pool", None)
     if full is None or not hasattr(full, "kv_buffer") or not hasattr(full, "kv_lora_rank"):
         return None
@@ -234,7 +234,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = F
 def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overlap: bool = False):
     """Rebuild the KV and state pools over one buffer; returns the new KV allocator, or None when
     this configuration has no unified pool (not an MLA + KDA hybrid)."""
-    kv_pool = _mla_pool(token_to_kv_pool)
+    kv_pool = mla_pool_of(token_to_kv_pool)
     mamba_pool = getattr(req_to_token_pool, "mamba_pool", None)
     if kv_pool is None or mamba_pool is None or getattr(allocator, "page_size", 1) != 1:
         logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid at page size 1; pools left as SGLang built them")

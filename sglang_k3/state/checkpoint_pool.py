@@ -263,6 +263,31 @@ class CheckpointPool:
 
     free = decref
 
+    # ------------------------------------------------------------------ lower tiers
+    def slot_parts(self, s: int) -> list[torch.Tensor]:
+        """The tensors of sealed slot ``s`` in a fixed order (values, int8 scales, conv state):
+        what a lower tier keeps of a checkpoint, in its own dtype (int8 stays int8)."""
+        self._check_live(s)
+        if not self._sealed[s]:
+            raise CheckpointError(f"checkpoint slot {s} is not sealed: nothing complete to read")
+        return [t[s] for t in (self.q, self.scale, self.conv) if t is not None]
+
+    def load_parts(self, s: int, parts: Sequence[torch.Tensor]) -> bool:
+        """Write ``parts`` (as :meth:`slot_parts` gives them) into fresh slot ``s`` and seal it.
+        A state with a non-finite scale or conv value is refused (False; the slot stays writable
+        and the caller frees it), as :meth:`store` refuses one."""
+        self._writable([s])
+        dst = [t[s] for t in (self.q, self.scale, self.conv) if t is not None]
+        if len(parts) != len(dst) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(parts, dst)):
+            raise CheckpointError("checkpoint parts do not match this pool's format")
+        if any(p.is_floating_point() and not bool(torch.isfinite(p).all()) for p in parts):
+            return False
+        for d, p in zip(dst, parts):
+            d.copy_(p, non_blocking=False)
+        self._layers_written[s] = set(range(self.L))
+        self._sealed[s] = True
+        return True
+
     # ------------------------------------------------------------------ data movement
     def _writable(self, ckpt_slots: Sequence[int]) -> None:
         if len(set(ckpt_slots)) != len(ckpt_slots):

@@ -1,0 +1,94 @@
+"""The host tier: lower-tier objects in this process's memory, under a byte budget, LRU.
+
+Objects are immutable, as in Mooncake: a put on a key already held keeps the old object (and
+counts as a use). When a put does not fit, the least recently used objects go; an object larger
+than the whole budget is refused. A boundary whose KV blocks were evicted here is found
+incomplete at lookup and not restored (the tier manager checks every part).
+
+On CPU the host tier is plain process memory. On CUDA the objects are bytes too: moving them
+to and from the device is the tier IO's job (:mod:`sglang_k3.tiers.torch_io`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+
+@dataclass
+class StoreCounters:
+    puts: int = 0  # objects written
+    put_bytes: int = 0
+    put_refused: int = 0  # larger than the budget, or the backend said no
+    gets: int = 0
+    get_hits: int = 0
+    get_bytes: int = 0
+    evictions: int = 0  # objects dropped to make room
+    evicted_bytes: int = 0
+
+    def as_dict(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+class HostStore:
+    name = "host"
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"host tier budget must be > 0 bytes (got {budget_bytes})")
+        self.budget_bytes = int(budget_bytes)
+        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self.used_bytes = 0
+        self.counters = StoreCounters()
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self._objects for k in keys]
+
+    def get(self, key: str) -> Optional[bytes]:
+        self.counters.gets += 1
+        blob = self._objects.get(key)
+        if blob is not None:
+            self._objects.move_to_end(key)
+            self.counters.get_hits += 1
+            self.counters.get_bytes += len(blob)
+        return blob
+
+    def put(self, key: str, blob: bytes) -> bool:
+        if key in self._objects:
+            self._objects.move_to_end(key)
+            return True
+        if len(blob) > self.budget_bytes:
+            self.counters.put_refused += 1
+            return False
+        while self.used_bytes + len(blob) > self.budget_bytes:
+            _, old = self._objects.popitem(last=False)
+            self.used_bytes -= len(old)
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += len(old)
+        self._objects[key] = blob
+        self.used_bytes += len(blob)
+        self.counters.puts += 1
+        self.counters.put_bytes += len(blob)
+        return True
+
+    def remove(self, key: str) -> bool:
+        blob = self._objects.pop(key, None)
+        if blob is None:
+            return False
+        self.used_bytes -= len(blob)
+        return True
+
+    def clear(self) -> None:
+        self._objects.clear()
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def stats(self) -> dict[str, int]:
+        d = self.counters.as_dict(f"tier_{self.name}")
+        d[f"tier_{self.name}_bytes"] = self.used_bytes
+        d[f"tier_{self.name}_objects"] = len(self._objects)
+        d[f"tier_{self.name}_budget_bytes"] = self.budget_bytes
+        return d

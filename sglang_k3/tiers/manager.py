@@ -1,0 +1,272 @@
+"""What moves between the device and the lower tiers, and how a lookup finds it. Torch-free.
+
+The tree (:mod:`sglang_k3.cache.tree`) knows nothing of tiers. The lifecycle calls two verbs:
+
+* :meth:`TierManager.save` when a boundary leaves the device (an evicted checkpoint, with the KV
+  of its path still in place), or earlier under a write-through policy. It writes the KV blocks
+  below the boundary that a tier does not hold yet, then the boundary object (the state and the
+  KV past the last whole block), in that order, to every tier (host, then Mooncake).
+* :meth:`TierManager.find` and :meth:`TierManager.load` when a request is admitted: the deepest
+  boundary past the device's own restore point whose state *and* KV are all there (on the device
+  or in some tier), then its bytes, checked (:mod:`sglang_k3.tiers.codec`) before anything is
+  written: the caller inserts the KV into the tree and registers the state as a ready checkpoint,
+  and the device lookup that follows restores from it.
+
+A reader never restores half a boundary: the boundary object goes last and carries the state
+with the tail KV, every KV block it needs is looked up before, and every object is validated
+before the first byte lands; a part missing or invalid is a miss there, and the next shallower
+boundary is tried. Upstream's hybrid HiCache bugs are the cases this rules out: states pruned on
+device eviction (sglang#33713: here the eviction itself saves them), a host hit restoring a wrong
+state (#39830: key, layout and checksum are checked), and prefixes reported as hits that cannot
+restore (#39147: a hit is reported only after the state and all the KV loaded).
+
+The bytes are moved by a :class:`TierIO` the host provides (:mod:`sglang_k3.tiers.torch_io` for
+SGLang's pools): KV is read and written token-major, ``kv_token_bytes`` per token, so a block is
+sliced at any token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, fields
+from typing import Optional, Protocol, Sequence
+
+from sglang_k3.tiers import codec
+from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, block_hashes, boundary_key, kv_block_key
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+
+
+class TierStore(Protocol):
+    name: str
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def get(self, key: str) -> Optional[bytes]: ...
+
+    def put(self, key: str, blob: bytes) -> bool: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
+class TierIO(Protocol):
+    kv_token_bytes: int  # MLA KV of one token, every MLA layer
+    state_bytes: int  # one checkpoint (every KDA layer, its own dtype)
+    layout: str  # what the bytes mean, for the key's namespace
+
+    def read_kv(self, indices: Sequence[int]) -> bytes: ...
+
+    def write_kv(self, indices: Sequence[int], data: bytes) -> None: ...
+
+    def read_state(self, handle: int) -> bytes: ...
+
+    def write_state(self, handle: int, data: bytes) -> bool: ...
+
+
+@dataclass
+class TierPlan:
+    """Where the deepest restorable boundary past the device's is: ``pos``, its boundary object in
+    ``store``, and the KV blocks ``blocks`` = (index, key, store) not on the device."""
+
+    pos: int
+    key: str
+    store: TierStore
+    kv_from: int  # tokens below this are on the device already
+    blocks: list = field(default_factory=list)
+
+
+@dataclass
+class TierCounters:
+    saves: int = 0  # boundaries written to at least one tier
+    save_skips: int = 0  # already there
+    save_failures: int = 0  # a tier refused a part (full): that tier did not get the boundary
+    saved_kv_blocks: int = 0
+    save_seconds: float = 0.0
+    lookups: int = 0  # admissions that looked below the device
+    found: int = 0  # a boundary deeper than the device's was found
+    find_seconds: float = 0.0  # hashing the prompt and asking the tiers
+    loads: int = 0  # and restored
+    load_tokens: int = 0  # tokens of prefix gained over the device's own restore point
+    load_kv_tokens: int = 0  # KV tokens copied up
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    load_no_memory: int = 0  # found, but no device memory for it now
+    invalid_objects: int = 0  # failed validation: a miss, never restored
+    incomplete: int = 0  # a part vanished between lookup and load
+
+    def as_dict(self) -> dict:
+        return {f"tier_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+class TierManager:
+    def __init__(
+        self,
+        stores: Sequence[TierStore],
+        ns: Namespace,
+        io: TierIO,
+        write_policy: str = "write_back",
+        block: int = BLOCK_TOKENS,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"tier write policy {write_policy!r}: choose one of {', '.join(WRITE_POLICIES)}")
+        if not stores:
+            raise ValueError("a tier manager needs at least one store")
+        self.stores = list(stores)
+        self.ns, self.io, self.block = ns, io, block
+        self.write_policy = write_policy
+        self.counters = TierCounters()
+        self.hits_by_tier = {s.name: 0 for s in self.stores}
+
+    # ------------------------------------------------------------------ save
+    def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
+        """Write the boundary after ``pos`` tokens (state in ``handle``, KV of ``tokens[:pos]`` at
+        ``kv``) to every tier that does not hold it. The device data must still be valid (call
+        before the KV and the handle are freed). Returns whether some tier holds it now."""
+        if pos <= 0 or len(kv) < pos or len(tokens) < pos:
+            raise ValueError(f"boundary {pos} needs {pos} tokens and KV indices")
+        t0 = time.perf_counter()
+        B = self.block
+        hashes = block_hashes(tokens, pos, B)
+        bkey = boundary_key(self.ns, tokens, pos, hashes, B)
+        keys = [kv_block_key(self.ns, h) for h in hashes]
+        cache: dict[int, bytes] = {}
+        state: Optional[bytes] = None
+        held = wrote = False
+        for store in self.stores:
+            if store.exists([bkey])[0]:
+                held = True
+                continue
+            ok = True
+            for k, (key, there) in enumerate(zip(keys, store.exists(keys))):
+                if there:
+                    continue
+                if k not in cache:
+                    cache[k] = self.io.read_kv(kv[k * B : (k + 1) * B])
+                if not store.put(key, codec.encode(key, codec.KV_BLOCK, (k + 1) * B, b"", cache[k], B)):
+                    ok = False
+                    break
+                self.counters.saved_kv_blocks += 1
+            if ok:
+                if state is None:
+                    state = self.io.read_state(handle)
+                    tail = self.io.read_kv(kv[len(hashes) * B : pos])
+                blob = codec.encode(bkey, codec.BOUNDARY, pos, state, tail, pos - len(hashes) * B, int(kind))
+                ok = store.put(bkey, blob)
+            if ok:
+                held = wrote = True
+            else:
+                self.counters.save_failures += 1
+        if wrote:
+            self.counters.saves += 1
+        elif held:
+            self.counters.save_skips += 1
+        self.counters.save_seconds += time.perf_counter() - t0
+        return held
+
+    # ------------------------------------------------------------------ find / load
+    def find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
+        """The deepest boundary in ``(floor, cap]`` whose state is in a tier and whose KV is on
+        the device (``[0, device_kv)``) or in some tier, or None."""
+        if cap <= floor:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self._find(tokens, floor, cap, device_kv)
+        finally:
+            self.counters.find_seconds += time.perf_counter() - t0
+
+    def _find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
+        B = self.block
+        self.counters.lookups += 1
+        hashes = block_hashes(tokens, cap, B)
+        first = min(device_kv, cap) // B  # the first block not wholly on the device
+        keys = [kv_block_key(self.ns, h) for h in hashes[first:]]
+        src: list[Optional[TierStore]] = [None] * len(keys)
+        for store in self.stores:
+            missing = [i for i, s in enumerate(src) if s is None]
+            if not missing:
+                break
+            for i, there in zip(missing, store.exists([keys[i] for i in missing])):
+                if there:
+                    src[i] = store
+        reach = first
+        while reach - first < len(src) and src[reach - first] is not None:
+            reach += 1
+        hi = min(cap, reach * B + B - 1)  # a boundary's own object holds its KV past the last block
+        for k in range(hi // B, floor // B - 1, -1):
+            window = [p for p in range(min(hi, k * B + B - 1), max(floor, k * B - 1), -1) if p > 0]
+            if not window:
+                continue
+            wkeys = [boundary_key(self.ns, tokens, p, hashes, B) for p in window]
+            best: Optional[tuple[int, str, TierStore]] = None
+            for store in self.stores:
+                for p, key, there in zip(window, wkeys, store.exists(wkeys)):
+                    if there and (best is None or p > best[0]):
+                        best = (p, key, store)
+                        break  # the window is deepest first
+            if best is not None:
+                p, key, store = best
+                self.counters.found += 1
+                blocks = [(j, keys[j - first], src[j - first]) for j in range(first, p // B)]
+                return TierPlan(pos=p, key=key, store=store, kv_from=min(device_kv, p), blocks=blocks)
+        return None
+
+    def _fetch(self, store: TierStore, key: str) -> Optional[codec.Decoded]:
+        blob = store.get(key)
+        if blob is None or len(blob) == 0:
+            self.counters.incomplete += 1
+            return None
+        try:
+            return codec.decode(key, blob, self.io.kv_token_bytes, self.io.state_bytes)
+        except codec.InvalidObject as e:
+            self.counters.invalid_objects += 1
+            logger.warning("k3 tier %s: object %s rejected (%s); treated as a miss", store.name, key, e)
+            return None
+
+    def load(self, plan: TierPlan, new_kv: Sequence[int], handle: int) -> Optional[int]:
+        """Copy the KV of ``[plan.kv_from, plan.pos)`` into ``new_kv`` and the state into
+        ``handle``, after every part is fetched and validated. Returns the boundary's checkpoint
+        kind flags, or None when some part is missing or invalid (nothing was written)."""
+        B, tb = self.block, self.io.kv_token_bytes
+        if len(new_kv) != plan.pos - plan.kv_from:
+            raise ValueError(f"{len(new_kv)} KV slots for {plan.pos - plan.kv_from} tokens")
+        t0 = time.perf_counter()
+        parts: list[bytes] = []
+        nbytes = 0
+        for j, key, store in plan.blocks:
+            obj = self._fetch(store, key)
+            if obj is None or obj.kind != codec.KV_BLOCK or obj.pos != (j + 1) * B:
+                return None
+            nbytes += len(obj.kv)
+            parts.append(obj.kv[max(0, plan.kv_from - j * B) * tb :])
+        obj = self._fetch(plan.store, plan.key)
+        if obj is None or obj.kind != codec.BOUNDARY or obj.pos != plan.pos:
+            return None
+        tail_start = plan.pos - obj.kv_tokens
+        parts.append(obj.kv[max(0, plan.kv_from - tail_start) * tb :])
+        data = b"".join(parts)
+        if len(data) != len(new_kv) * tb:
+            self.counters.incomplete += 1
+            return None
+        if new_kv:
+            self.io.write_kv(new_kv, data)
+        if not self.io.write_state(handle, obj.state):
+            self.counters.invalid_objects += 1
+            return None
+        c = self.counters
+        c.loads += 1
+        c.load_kv_tokens += len(new_kv)
+        c.load_bytes += nbytes + len(obj.kv) + len(obj.state)
+        c.load_seconds += time.perf_counter() - t0
+        self.hits_by_tier[plan.store.name] += 1
+        return obj.checkpoint_kind
+
+    def stats(self) -> dict:
+        d = self.counters.as_dict()
+        d.update({f"tier_{name}_hits": n for name, n in self.hits_by_tier.items()})
+        for s in self.stores:
+            d.update(s.stats())
+        return d

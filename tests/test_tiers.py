@@ -1,0 +1,214 @@
+"""The lower tiers' parts, on real tensors: keys, the object format and its validation, the host
+store's budget, and the tier manager saving boundaries out of real pools and loading them back
+(INT8 checkpoints stay INT8 below the device; a bad object is a miss, never restored)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sglang_k3.state.checkpoint_pool import CheckpointPool
+from sglang_k3.tiers import codec
+from sglang_k3.tiers.host_store import HostStore
+from sglang_k3.tiers.keys import Namespace, block_hashes, boundary_key, kv_block_key
+from sglang_k3.tiers.manager import TierManager
+from sglang_k3.tiers.torch_io import PoolTierIO
+
+NS = Namespace(model="m1", tokenizer="t1", layout="L")
+SEED = 1234
+
+
+def test_keys_chain_the_prefix_and_carry_the_namespace():
+    rng = random.Random(SEED)
+    toks = [rng.randrange(1000) for _ in range(300)]
+    h = block_hashes(toks, 300, 64)
+    assert len(h) == 4  # whole blocks only
+    other = list(toks)
+    other[3] += 1  # an early token changes every later block's hash
+    h2 = block_hashes(other, 300, 64)
+    assert all(a != b for a, b in zip(h, h2))
+    assert boundary_key(NS, toks, 200, h) != boundary_key(NS, toks, 201, h)
+    assert boundary_key(NS, toks, 200, h) != boundary_key(NS, other, 200, h2)
+    for changed in (
+        Namespace("m2", "t1", "L"),
+        Namespace("m1", "t2", "L"),
+        Namespace("m1", "t1", "L2"),
+        Namespace("m1", "t1", "L", tp_rank=1, tp_size=2),
+    ):
+        assert kv_block_key(changed, h[0]) != kv_block_key(NS, h[0])
+        assert boundary_key(changed, toks, 200, h) != boundary_key(NS, toks, 200, h)
+
+
+def test_codec_round_trip_and_every_kind_of_bad_object_is_rejected():
+    key = "k"
+    blob = codec.encode(key, codec.BOUNDARY, 70, b"S" * 12, b"K" * 24, 6, checkpoint_kind=4)
+    obj = codec.decode(key, blob, kv_token_bytes=4, state_bytes=12)
+    assert (obj.pos, obj.state, obj.kv, obj.kv_tokens, obj.checkpoint_kind) == (70, b"S" * 12, b"K" * 24, 6, 4)
+    flipped = bytearray(blob)
+    flipped[-1] ^= 1
+    bad = {
+        "garbage": bytes(random.Random(SEED).randbytes(len(blob))),
+        "truncated": blob[:-5],
+        "short": blob[:10],
+        "bit flip": bytes(flipped),
+    }
+    for b in bad.values():
+        with pytest.raises(codec.InvalidObject):
+            codec.decode(key, b, 4, 12)
+    with pytest.raises(codec.InvalidObject, match="another key"):
+        codec.decode("other-key", blob, 4, 12)
+    with pytest.raises(codec.InvalidObject):
+        codec.decode(key, blob, 8, 12)  # another KV layout
+    with pytest.raises(codec.InvalidObject):
+        codec.decode(key, blob, 4, 16)  # another state size
+
+
+def test_host_store_budget_lru_and_immutability():
+    s = HostStore(100)
+    assert s.put("a", b"x" * 40) and s.put("b", b"y" * 40)
+    assert s.put("a", b"z" * 40) and s.get("a") == b"x" * 40  # immutable: the first write stays
+    assert s.put("c", b"w" * 40)  # evicts b, the least recently used
+    assert s.exists(["a", "b", "c"]) == [True, False, True]
+    assert s.used_bytes == 80 and s.counters.evictions == 1
+    assert not s.put("huge", b"h" * 101) and s.counters.put_refused == 1
+    with pytest.raises(ValueError):
+        HostStore(0)
+
+
+class Pools:
+    """Real pools: an MLA-like KV buffer per layer and an INT8 checkpoint pool bound to fp32
+    active states."""
+
+    def __init__(self, seed: int, dtype: str = "int8", kv_slots: int = 2048, ckpt_slots: int = 8):
+        g = torch.Generator().manual_seed(seed)
+        self.kv = [torch.randn(kv_slots, 1, 12, generator=g).to(torch.bfloat16) for _ in range(3)]
+        L, S, H, V, K = 2, 4, 2, 4, 8
+        self.temporal = torch.randn(L, S, H, V, K, generator=g)
+        self.conv = torch.randn(L, S, 3, 16, generator=g)
+        self.pool = CheckpointPool.from_active(self.temporal, self.conv, num_slots=ckpt_slots, dtype=dtype)
+        self.io = PoolTierIO(self.kv, self.pool)
+        self.next_kv = 0
+
+    def checkpoint(self, active: int) -> int:
+        (h,) = self.pool.alloc(1)
+        assert self.pool.store([active], [h]).all_ok
+        return h
+
+    def fresh_kv(self, n: int) -> list[int]:
+        out = list(range(self.next_kv, self.next_kv + n))
+        self.next_kv += n
+        return out
+
+
+def _tokens(n: int, seed: int = SEED) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def test_int8_checkpoints_stay_int8_and_round_trip_exactly():
+    p = Pools(SEED)
+    h = p.checkpoint(1)
+    assert p.pool.q.dtype == torch.int8
+    data = p.io.read_state(h)
+    assert len(data) == p.io.state_bytes == p.pool.bytes_per_slot
+    (h2,) = p.pool.alloc(1)
+    assert p.io.write_state(h2, data)
+    assert torch.equal(p.pool.q[h2], p.pool.q[h]) and torch.equal(p.pool.scale[h2], p.pool.scale[h])
+    assert torch.equal(p.pool.conv[h2], p.pool.conv[h])
+    assert p.pool._sealed[h2]  # read-only like a stored checkpoint
+    bad = bytearray(data)
+    nq = p.pool.q[0].numel()
+    bad[nq : nq + 4] = bytes(torch.tensor([float("nan")]).view(torch.uint8).tolist())  # a scale
+    (h3,) = p.pool.alloc(1)
+    assert not p.io.write_state(h3, bytes(bad))  # non-finite: refused, as a store refuses one
+
+
+def _save_path(p: Pools, mgr: TierManager, tokens: list[int], pos: int, active: int) -> list[int]:
+    kv = p.fresh_kv(len(tokens))
+    mgr.save(tokens, kv, pos, p.checkpoint(active), kind=4)
+    return kv
+
+
+def test_save_then_load_restores_kv_and_state_byte_for_byte():
+    p = Pools(SEED)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io)
+    toks = _tokens(300)
+    kv = _save_path(p, mgr, toks, 250, active=2)
+    assert mgr.counters.saves == 1 and mgr.counters.saved_kv_blocks == 3  # blocks 0-2, tail 192..250
+    request = toks[:280] + _tokens(20, seed=9)
+    # the device holds the first 100 tokens' KV and no state
+    plan = mgr.find(request, floor=0, cap=len(request) - 1, device_kv=100)
+    assert plan is not None and plan.pos == 250 and plan.kv_from == 100
+    new_kv = p.fresh_kv(150)
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, new_kv, h) == 4
+    for layer in p.kv:
+        assert torch.equal(layer[new_kv], layer[kv[100:250]])
+    # the state restored is the one saved: compare against a fresh checkpoint of the same slot
+    ref = p.checkpoint(2)
+    assert torch.equal(p.pool.q[h], p.pool.q[ref]) and torch.equal(p.pool.scale[h], p.pool.scale[ref])
+    assert mgr.hits_by_tier["host"] == 1 and mgr.counters.load_kv_tokens == 150
+
+
+def test_find_takes_the_deepest_complete_boundary_and_never_half_of_one():
+    p = Pools(SEED, ckpt_slots=16)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io)
+    toks = _tokens(400)
+    kv = p.fresh_kv(400)
+    for pos in (130, 260, 390):
+        mgr.save(toks, kv, pos, p.checkpoint(pos % 4))
+    q = toks + [1, 2, 3]
+    assert mgr.find(q, 0, len(q) - 1, 0).pos == 390
+    assert mgr.find(q, 0, 300, 0).pos == 260  # capped
+    assert mgr.find(q, 390, len(q) - 1, 0) is None  # the device already restores there
+    # a KV block below 390 vanishes from the tier: 390 is no longer complete, 260 still is
+    h = block_hashes(toks, 400)
+    assert host.remove(kv_block_key(NS, h[4]))  # tokens 256..320
+    assert mgr.find(q, 0, len(q) - 1, 0).pos == 260
+    # ... unless the device holds that KV itself
+    assert mgr.find(q, 0, len(q) - 1, 330).pos == 390
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_model"])
+def test_a_bad_object_is_a_counted_miss_and_nothing_is_written(damage):
+    p = Pools(SEED)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io)
+    toks = _tokens(200)
+    _save_path(p, mgr, toks, 150, active=0)
+    key = boundary_key(NS, toks, 150, block_hashes(toks, 150))
+    good = host.get(key)
+    host.remove(key)
+    if damage == "garbage":
+        host.put(key, random.Random(SEED).randbytes(len(good)))
+    elif damage == "truncated":
+        host.put(key, good[:-100])
+    else:  # a valid object another model wrote, copied under this key
+        other = Namespace("another-model", "t1", "L")
+        okey = boundary_key(other, toks, 150, block_hashes(toks, 150))
+        obj = codec.decode(key, good, p.io.kv_token_bytes, p.io.state_bytes)
+        host.put(key, codec.encode(okey, codec.BOUNDARY, 150, obj.state, obj.kv, obj.kv_tokens))
+    q = toks[:160]
+    plan = mgr.find(q, 0, len(q) - 1, 0)
+    assert plan is not None and plan.pos == 150
+    new_kv = p.fresh_kv(150)
+    before = [layer[new_kv].clone() for layer in p.kv]
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, new_kv, h) is None
+    assert mgr.counters.invalid_objects == 1 and mgr.counters.loads == 0
+    assert all(torch.equal(layer[new_kv], b) for layer, b in zip(p.kv, before))
+    assert not p.pool._sealed[h]
+
+
+def test_a_full_tier_refuses_softly():
+    p = Pools(SEED)
+    host = HostStore(3000)  # smaller than one boundary
+    mgr = TierManager([host], NS, p.io)
+    toks = _tokens(200)
+    _save_path(p, mgr, toks, 150, active=0)
+    assert mgr.counters.save_failures == 1 and mgr.counters.saves == 0
+    assert mgr.find(toks, 0, 199, 0) is None
