@@ -76,7 +76,7 @@ def replay(policy, trace, cfg, rate_flops: float, tpot_s: float, progress=None) 
             policy.finish(trace, j, ctx)
         adm = policy.admit(trace, i)
         L = trace.input_len[i]
-        d = cost.prefill_flops(adm.hit_tokens, L) / rate_flops
+        d = cost.prefill_flops(adm.hit_tokens, L) / rate_flops + adm.load_s
         engine_free = start + d
         ttft.append(engine_free - arrival)
         compute.append(d)
@@ -230,6 +230,8 @@ def build_records(args, results) -> list:
                 chunked_prefill_size=args.chunked_prefill_size,
                 symbol_tokens=args.symbol_tokens,
                 evict_watermark=args.evict_watermark,
+                host_budget_gib=args.host_budget_gib if p.startswith("k3") else 0,
+                l3_budget_gib=args.l3_budget_gib if p.startswith("k3") else 0,
             )
             records.append(rec)
     return records
@@ -369,6 +371,31 @@ def parse_args(argv=None):
         default=0.02,
         help="when a pool is over budget, evict down to (1 - this) x budget, for every policy (default: %(default)s)",
     )
+    ap.add_argument(
+        "--host-budget-gib",
+        type=float,
+        default=0.0,
+        help="k3 policies: a host tier of this many GiB below the device budget, for evicted "
+        "boundaries (0: off; default: %(default)s). Other policies have none (policies/tiers.py)",
+    )
+    ap.add_argument(
+        "--l3-budget-gib",
+        type=float,
+        default=0.0,
+        help="k3 policies: a Mooncake (L3) tier of this many GiB (0: off; default: %(default)s)",
+    )
+    ap.add_argument(
+        "--host-gbps",
+        type=float,
+        default=55.0,
+        help="host-to-device GB/s for tier loads in the modelled TTFT (default: %(default)s, H200 pinned)",
+    )
+    ap.add_argument(
+        "--l3-gbps",
+        type=float,
+        default=12.5,
+        help="L3-to-device GB/s for tier loads (default: %(default)s, one 100 Gb/s NIC: an assumption)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel worker processes (default: %(default)s)"
@@ -399,6 +426,11 @@ def parse_args(argv=None):
         ap.error("--evict-watermark must be in [0, 0.5)")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
+    for name in ("host_budget_gib", "l3_budget_gib"):
+        if not (0 <= getattr(args, name) < float("inf")):
+            ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0")
+    if args.host_gbps <= 0 or args.l3_gbps <= 0:
+        ap.error("--host-gbps and --l3-gbps must be > 0")
     return args
 
 
@@ -424,6 +456,10 @@ def main(argv=None) -> int:
         chunked_prefill_size=args.chunked_prefill_size,
         upstream_mamba_ratio=args.upstream_mamba_ratio,
         evict_watermark=args.evict_watermark,
+        host_budget_bytes=args.host_budget_gib * GiB,
+        l3_budget_bytes=args.l3_budget_gib * GiB,
+        host_gbps=args.host_gbps,
+        l3_gbps=args.l3_gbps,
     )
     print(
         f"trace: {len(trace)} requests, {sum(trace.input_len):,} prompt tokens, "

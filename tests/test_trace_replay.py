@@ -165,6 +165,31 @@ def test_subset_of_policies_still_reports_fractions(tmp_path):
     assert rec["fa_budget_fraction"] > 0 and rec["state_dtype"] == "bf16" and rec["model_config"] == "tiny"
 
 
+def test_lower_tiers_bring_back_what_the_device_evicted(tmp_path):
+    """k3 with a host tier and an L3 tier below a device budget too small for the synthetic trace:
+    the tiers serve hits the device alone cannot, the host before L3, and the records say so;
+    other policies are not given tiers."""
+    trace = tmp_path / "t.jsonl"
+    synthetic_trace(trace, seed=3)
+    runs = {}
+    for label, extra in (("device", []), ("host", ["--host-budget-gib", "2"]), ("l3", ["--l3-budget-gib", "4"])):
+        out = tmp_path / label
+        res = run_cli(
+            "--trace", str(trace), "--policies", "k3,upstream", "--budgets-gib", "0.25", "--out", str(out), *extra
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[label] = {r["policy"]: r for r in json.loads((out / "results.json").read_text())}
+    dev, host, l3 = (runs[k]["k3"] for k in ("device", "host", "l3"))
+    assert "tiers" not in dev and dev["host_budget_gib"] == 0
+    assert host["hit_rate"] > dev["hit_rate"] and l3["hit_rate"] > dev["hit_rate"]
+    assert host["tiers"]["hits"]["host"] > 0 and "l3" not in host["tiers"]["hits"]
+    assert l3["tiers"]["hits"]["l3"] > 0 and l3["l3_budget_gib"] == 4
+    assert host["oracle_fraction"] <= 1 and l3["oracle_fraction"] <= 1
+    # upstream has no tier here: the same number with and without the flags, and labelled so
+    assert runs["host"]["upstream"]["hit_rate"] == runs["device"]["upstream"]["hit_rate"]
+    assert runs["host"]["upstream"]["host_budget_gib"] == 0
+
+
 @pytest.mark.skipif(not os.path.exists(REAL_TRACE), reason="shipped Mooncake trace not present")
 def test_real_trace_slice(tmp_path):
     trace = tmp_path / "slice.jsonl"
@@ -220,6 +245,8 @@ def test_help_explains_the_contract():
         (["--budgets-gib", "-5"], "positive"),
         (["--model-config", "gpt"], "invalid choice"),
         (["--checkpoint-dtype", "int4"], "invalid choice"),
+        (["--host-budget-gib", "-1"], "--host-budget-gib must be"),
+        (["--l3-gbps", "0"], "must be > 0"),
     ],
 )
 def test_bad_arguments(args, needle, tmp_path):

@@ -71,6 +71,10 @@ class SimConfig:
     chunked_prefill_size: int = 8192  # real tokens
     upstream_mamba_ratio: float = 0.9  # SGLang's mamba_full_memory_ratio fallback
     evict_watermark: float = 0.02  # over budget: evict down to (1 - this) x budget
+    host_budget_bytes: float = 0  # k3 policies: a host tier of this size (0: off), policies/tiers.py
+    l3_budget_bytes: float = 0  # k3 policies: a Mooncake (L3) tier of this size (0: off)
+    host_gbps: float = 55.0  # host -> device, GB/s (H200, pinned, benchmarks/GPU_NOTES.md)
+    l3_gbps: float = 12.5  # L3 -> device, GB/s (one 100 Gb/s RDMA NIC: an assumption)
 
     @property
     def kv_bytes_per_symbol(self) -> int:
@@ -92,6 +96,7 @@ class Admission:
     hit_tokens: int  # real tokens reused (restore boundary x unit)
     mla_tokens: int = 0  # real tokens whose KV was present (phase-1 match)
     ctx: object = None
+    load_s: float = 0.0  # time to bring the hit up from a lower tier (added to the prefill)
 
 
 @dataclass

@@ -42,6 +42,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 from benchmarks.policies.base import Admission, Policy, ScaledCost, SimConfig
+from benchmarks.policies.tiers import build_sim_tiers, load_seconds
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
 from sglang_k3.cache.lifecycle import build_lifecycle
@@ -174,7 +175,10 @@ class K3Policy(Policy):
             self.k3.checkpoint_dtype, slot_bytes, capacity, self._evict_for_checkpoint, self.ledger
         )
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
-        self.lifecycle = build_lifecycle(self.k3, self.store, ev, self._free_kv, unit=cfg.unit)
+        self.tiers = build_sim_tiers(cfg, slot_bytes)
+        self.lifecycle = build_lifecycle(
+            self.k3, self.store, ev, self._free_kv, unit=cfg.unit, tiers=self.tiers, alloc_kv=self._alloc_kv
+        )
         self.evictor = (
             None
             if self.ledger is None
@@ -196,6 +200,36 @@ class K3Policy(Policy):
     def _free_kv(self, indices: list[int]) -> None:
         if self.ledger is not None:
             self.ledger.kv_free(indices)
+
+    def _alloc_kv(self, n: int) -> Optional[list[int]]:
+        """KV slots for KV a lower tier brings back (as the server's ``_alloc_kv``)."""
+        if self.ledger is None:
+            fresh = list(range(self._kv_next, self._kv_next + n))
+            self._kv_next += n
+            return fresh
+        got = self.ledger.kv_alloc(n)
+        if got is None:
+            self.evictor.for_kv(n, n)
+            got = self.ledger.kv_alloc(n)
+        return got
+
+    def _tier_snapshot(self) -> tuple:
+        if self.tiers is None:
+            return ()
+        c = self.tiers.counters
+        return (c.loads, c.load_kv_tokens, dict(self.tiers.hits_by_tier))
+
+    def _load_seconds(self, before: tuple) -> float:
+        """The time the admission's tier load took, at the tiers' modelled link rates."""
+        if self.tiers is None:
+            return 0.0
+        loads, kv_syms, hits = before
+        c = self.tiers.counters
+        if c.loads == loads:
+            return 0.0
+        tier = next(n for n, k in self.tiers.hits_by_tier.items() if k > hits.get(n, 0))
+        nbytes = (c.load_kv_tokens - kv_syms) * self.cfg.kv_bytes_per_symbol + self.store.slot_bytes
+        return load_seconds(self.cfg, tier, nbytes)
 
     def _kv(self, existing: Sequence[int], end: int) -> Optional[list[int]]:
         """KV indices for positions ``[0, end)``: the path's own for the first ``len(existing)``,
@@ -287,7 +321,9 @@ class K3Policy(Policy):
         key = trace.prompt(i)
         run = _Running(rid=str(i), node=None)
         lc = self.lifecycle
+        before = self._tier_snapshot()
         m = lc.match(run.rid, key, admit=True, prompt_len=len(key))
+        load_s = self._load_seconds(before)
         restore = m.restore_len
         self._lock(run, m.node)  # the matched prefix is the request's (req.lock)
         run.key = key
@@ -300,7 +336,10 @@ class K3Policy(Policy):
             prefix = end
         self.enforce_budget()
         return Admission(
-            hit_tokens=restore * self.cfg.unit, mla_tokens=min(m.mla_len, len(key) - 1) * self.cfg.unit, ctx=run
+            hit_tokens=restore * self.cfg.unit,
+            mla_tokens=min(m.mla_len, len(key) - 1) * self.cfg.unit,
+            ctx=run,
+            load_s=load_s,
         )
 
     def finish(self, trace, i: int, run: _Running) -> None:
@@ -334,6 +373,18 @@ class K3Policy(Policy):
             "unified_memory": self.unified,
             "kv_alloc_failures": self.kv_alloc_failures,
         }
+        if self.tiers is not None:
+            t = self.tiers.stats()
+            unit = self.cfg.unit
+            out["tiers"] = {
+                "hits": dict(self.tiers.hits_by_tier),
+                "hit_tokens_gained": t["tier_load_tokens"] * unit,
+                "kv_tokens_loaded": t["tier_load_kv_tokens"] * unit,
+                "boundaries_saved": t["tier_saves"],
+                "save_failures": t["tier_save_failures"],
+                "no_memory": t["tier_load_no_memory"],
+                **{k: v for k, v in t.items() if k.endswith(("_bytes", "_objects", "_evictions"))},
+            }
         if self.ledger is not None:
             g, c = self.ledger.geom, self.ledger.counters
             out["unified"] = {

@@ -70,6 +70,12 @@ def encode(key: str, kind: int, pos: int, state: bytes, kv: bytes, kv_tokens: in
     return head + payload
 
 
+def peek(blob: bytes) -> tuple[int, int, int]:
+    """``(kind, state bytes, KV tokens)`` from the header, unchecked (for accounting only)."""
+    _, _, kind, _, _, n_state, _, n_tok, _, _ = _HEADER.unpack_from(blob)
+    return kind, n_state, n_tok
+
+
 def decode(key: str, blob: bytes, kv_token_bytes: int, state_bytes: int) -> Decoded:
     """Check ``blob`` against ``key`` and the sizes this server reads; raise InvalidObject."""
     if len(blob) < HEADER_BYTES:

@@ -32,18 +32,25 @@ class StoreCounters:
 
 
 class HostStore:
-    name = "host"
-
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, name: str = "host") -> None:
+        self.name = name
         if budget_bytes <= 0:
             raise ValueError(f"host tier budget must be > 0 bytes (got {budget_bytes})")
         self.budget_bytes = int(budget_bytes)
         self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self._charged: dict[str, int] = {}
         self.used_bytes = 0
         self.counters = StoreCounters()
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [k in self._objects for k in keys]
+        """Which keys are held; a key found counts as a use (as a Mooncake lookup leases it)."""
+        out = []
+        for k in keys:
+            there = k in self._objects
+            if there:
+                self._objects.move_to_end(k)
+            out.append(there)
+        return out
 
     def get(self, key: str) -> Optional[bytes]:
         self.counters.gets += 1
@@ -51,36 +58,44 @@ class HostStore:
         if blob is not None:
             self._objects.move_to_end(key)
             self.counters.get_hits += 1
-            self.counters.get_bytes += len(blob)
+            self.counters.get_bytes += self._charged[key]
         return blob
+
+    def charge(self, blob: bytes) -> int:
+        """Bytes an object counts against the budget: its size (the trace replay charges the
+        modelled size of an object whose payload it does not materialise)."""
+        return len(blob)
 
     def put(self, key: str, blob: bytes) -> bool:
         if key in self._objects:
             self._objects.move_to_end(key)
             return True
-        if len(blob) > self.budget_bytes:
+        size = self.charge(blob)
+        if size > self.budget_bytes:
             self.counters.put_refused += 1
             return False
-        while self.used_bytes + len(blob) > self.budget_bytes:
-            _, old = self._objects.popitem(last=False)
-            self.used_bytes -= len(old)
+        while self.used_bytes + size > self.budget_bytes:
+            old, _ = self._objects.popitem(last=False)
+            freed = self._charged.pop(old)
+            self.used_bytes -= freed
             self.counters.evictions += 1
-            self.counters.evicted_bytes += len(old)
+            self.counters.evicted_bytes += freed
         self._objects[key] = blob
-        self.used_bytes += len(blob)
+        self._charged[key] = size
+        self.used_bytes += size
         self.counters.puts += 1
-        self.counters.put_bytes += len(blob)
+        self.counters.put_bytes += size
         return True
 
     def remove(self, key: str) -> bool:
-        blob = self._objects.pop(key, None)
-        if blob is None:
+        if self._objects.pop(key, None) is None:
             return False
-        self.used_bytes -= len(blob)
+        self.used_bytes -= self._charged.pop(key)
         return True
 
     def clear(self) -> None:
         self._objects.clear()
+        self._charged.clear()
         self.used_bytes = 0
 
     def __len__(self) -> int:
