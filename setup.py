@@ -28,8 +28,17 @@ setup(
         "torch==2.14.1",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "requests", "fla-core==0.6.0", "ruff==0.17.6"],
+        "test": [
+            "pytest",
+            "hypothesis",
+            "requests",
+            "fla-core==0.6.0",
+            "ruff==0.17.6",
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+        ],
         "bench": ["matplotlib", "tqdm"],
+        # --k3-mooncake (the L3 tier); the wheel needs the system's libibverbs1 (apt-get install libibverbs1)
+        "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
     },
     entry_points={
         "sglang.srt.platforms": ["k3_cpu = sglang_k3.integration.platform_entry:activate"],

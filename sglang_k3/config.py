@@ -40,6 +40,7 @@ class K3Config:
     eviction_alpha: float = 1.0  # weight of FLOPs saved per byte against recency in eviction
     host_tier_gib: float = 0.0  # host tier for evicted boundaries (KV + state), GiB; 0: off
     tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
+    mooncake: bool = False  # an L3 tier in a Mooncake store, configured by SGLang's MOONCAKE_* variables
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:

@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
+from tier_pools import Pools
 
-from sglang_k3.state.checkpoint_pool import CheckpointPool
 from sglang_k3.tiers import codec
 from sglang_k3.tiers.host_store import HostStore
 from sglang_k3.tiers.keys import Namespace, block_hashes, boundary_key, kv_block_key
 from sglang_k3.tiers.manager import TierManager
-from sglang_k3.tiers.torch_io import PoolTierIO
 
 NS = Namespace(model="m1", tokenizer="t1", layout="L")
 SEED = 1234
@@ -75,31 +74,6 @@ def test_host_store_budget_lru_and_immutability():
     assert not s.put("huge", b"h" * 101) and s.counters.put_refused == 1
     with pytest.raises(ValueError):
         HostStore(0)
-
-
-class Pools:
-    """Real pools: an MLA-like KV buffer per layer and an INT8 checkpoint pool bound to fp32
-    active states."""
-
-    def __init__(self, seed: int, dtype: str = "int8", kv_slots: int = 2048, ckpt_slots: int = 8):
-        g = torch.Generator().manual_seed(seed)
-        self.kv = [torch.randn(kv_slots, 1, 12, generator=g).to(torch.bfloat16) for _ in range(3)]
-        L, S, H, V, K = 2, 4, 2, 4, 8
-        self.temporal = torch.randn(L, S, H, V, K, generator=g)
-        self.conv = torch.randn(L, S, 3, 16, generator=g)
-        self.pool = CheckpointPool.from_active(self.temporal, self.conv, num_slots=ckpt_slots, dtype=dtype)
-        self.io = PoolTierIO(self.kv, self.pool)
-        self.next_kv = 0
-
-    def checkpoint(self, active: int) -> int:
-        (h,) = self.pool.alloc(1)
-        assert self.pool.store([active], [h]).all_ok
-        return h
-
-    def fresh_kv(self, n: int) -> list[int]:
-        out = list(range(self.next_kv, self.next_kv + n))
-        self.next_kv += n
-        return out
 
 
 def _tokens(n: int, seed: int = SEED) -> list[int]:

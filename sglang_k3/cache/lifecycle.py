@@ -224,23 +224,37 @@ class CacheLifecycle:
             self.counters.tier_errors += 1
             logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
 
+    PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
+
     def _promote(self, tokens: Sequence[int]) -> None:
         """Bring the deepest boundary the lower tiers hold past the device's own restore point
         onto the device: its missing KV into fresh KV slots, inserted into the tree, and its state
-        as a ready checkpoint. Nothing changes when no such boundary exists, a part of it is
-        missing or invalid, or the device has no room for it now."""
+        as a ready checkpoint. A boundary with a part missing or invalid is a miss and the next
+        shallower one is tried (up to :attr:`PROMOTE_ATTEMPTS`); nothing changes when none loads
+        or the device has no room for it now."""
         tiers = self.tiers
         if tiers is None or len(tokens) < 2:
             return
-        path, mla_len, restore = self.tree.peek(tokens)
-        try:
-            plan = tiers.find(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
-        except Exception:
-            self.counters.tier_errors += 1
-            logger.exception("k3 tier: lookup failed; serving from the device only")
-            return
-        if plan is None:
-            return
+        cap = len(tokens) - 1
+        for _ in range(self.PROMOTE_ATTEMPTS):
+            path, mla_len, restore = self.tree.peek(tokens)
+            try:
+                plan = tiers.find(tokens, floor=restore, cap=cap, device_kv=mla_len)
+            except Exception:
+                self.counters.tier_errors += 1
+                logger.exception("k3 tier: lookup failed; serving from the device only")
+                return
+            if plan is None:
+                return
+            outcome = self._promote_plan(tokens, path, restore, plan)
+            if outcome != "retry":
+                return
+            cap = plan.pos - 1
+
+    def _promote_plan(self, tokens: Sequence[int], path: list, restore: int, plan) -> str:
+        """One boundary up: ``"done"``, ``"retry"`` (a part failed to load: nothing was written)
+        or ``"stop"`` (no room, or an error)."""
+        tiers = self.tiers
         anchor = path[-1] if path else None
         if anchor is not None:
             self.tree.inc_lock_ref(anchor)  # the KV below the boundary stays while we allocate
@@ -252,10 +266,10 @@ class CacheLifecycle:
             handle = self.store.alloc() if new_kv is not None else None
             if new_kv is None or handle is None:
                 tiers.counters.load_no_memory += 1
-                return
+                return "stop"
             kind = tiers.load(plan, new_kv, handle)
             if kind is None:
-                return
+                return "retry"
             kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv)
             ins = self.insert(tokens[: plan.pos], kv)
             new_kv = None  # the tree's now (insert freed any it already held)
@@ -270,9 +284,11 @@ class CacheLifecycle:
             if ck is not None:
                 handle = None
                 tiers.counters.load_tokens += plan.pos - restore
+            return "done"
         except Exception:
             self.counters.tier_errors += 1
             logger.exception("k3 tier: bringing the boundary at %d up failed; serving from the device only", plan.pos)
+            return "stop"
         finally:
             if new_kv:
                 self._free_kv(list(new_kv))

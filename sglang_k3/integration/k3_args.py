@@ -157,6 +157,17 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "write_back (default) when the device evicts it; write_through as soon as it is stored; "
         "write_through_selective at its first hit. Each also saves at eviction what is not below yet.",
     )
+    g.add_argument(
+        "--k3-mooncake",
+        action="store_true",
+        help="k3 cache: add a Mooncake store as the L3 tier, below the host tier (or alone), shared "
+        "with every instance on the same mooncake_master: an instance restores prefixes another "
+        "one computed. Configured as SGLang's HiCache Mooncake backend is: the JSON file at "
+        "$SGLANG_HICACHE_MOONCAKE_CONFIG_PATH, or MOONCAKE_MASTER (host:port), MOONCAKE_PROTOCOL "
+        "(tcp without RDMA), MOONCAKE_TE_META_DATA_SERVER, MOONCAKE_GLOBAL_SEGMENT_SIZE (this "
+        "instance's share of the pool, e.g. 4gb; 0 with a standalone store client), "
+        "MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_DEVICE. scripts/start_mooncake_master.py starts a master.",
+    )
     return g
 
 
@@ -174,9 +185,9 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         raise SystemExit("--k3-eviction-alpha must be a finite number >= 0")
     if not (0 <= ns.k3_host_tier_gib < float("inf")):
         raise SystemExit("--k3-host-tier-gib must be a finite number >= 0")
-    if ns.k3_host_tier_gib > 0 and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
+    if (ns.k3_host_tier_gib > 0 or ns.k3_mooncake) and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
         raise SystemExit(
-            "--k3-host-tier-gib moves checkpoints out of a checkpoint pool: use unified memory (the "
+            "--k3-host-tier-gib and --k3-mooncake move checkpoints out of a checkpoint pool: use unified memory (the "
             "default) or --k3-checkpoint-dtype int8/bf16 with --k3-no-unified-memory"
         )
     if ns.k3_max_checkpoints and ns.k3_min_checkpoints > ns.k3_max_checkpoints:
@@ -200,6 +211,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         eviction_alpha=ns.k3_eviction_alpha,
         host_tier_gib=ns.k3_host_tier_gib,
         tier_write_policy=ns.k3_tier_write_policy,
+        mooncake=ns.k3_mooncake,
     )
 
 

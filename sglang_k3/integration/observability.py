@@ -69,6 +69,7 @@ GAUGES: dict[str, str] = {
     "tier_host_bytes": "Host tier (--k3-host-tier-gib): bytes of objects held.",
     "tier_host_objects": "Host tier: objects held (KV blocks and boundaries).",
     "tier_host_budget_bytes": "Host tier: its budget (0: off).",
+    "tier_l3_segment_bytes": "Mooncake tier (--k3-mooncake): the segment this instance contributes (0: off or none).",
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
@@ -114,6 +115,11 @@ COUNTERS: dict[str, str] = {
     "tier_host_hits": "Host tier: loads whose boundary came from host memory.",
     "tier_host_evictions": "Host tier: objects evicted, least recently used first.",
     "tier_errors": "Lower tiers: exceptions raised by a tier (logged; the device cache carried on).",
+    "tier_l3_hits": "Mooncake tier: loads whose boundary came from the Mooncake store.",
+    "tier_l3_puts": "Mooncake tier: objects written.",
+    "tier_l3_put_refused": "Mooncake tier: puts refused (no segment has room, or the master is unreachable).",
+    "tier_l3_get_hits": "Mooncake tier: objects read.",
+    "tier_l3_errors": "Mooncake tier: calls that failed (master down, RPC error): counted as misses.",
 }
 # Present (0) when no lower tier is on, so the series exist either way.
 TIER_FIELDS = tuple(f for f in (*GAUGES, *COUNTERS) if f.startswith("tier_"))

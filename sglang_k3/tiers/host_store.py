@@ -18,6 +18,8 @@ from typing import Optional, Sequence
 
 @dataclass
 class StoreCounters:
+    """What a tier store did, lifetime (reported as ``tier_<name>_<field>``)."""
+
     puts: int = 0  # objects written
     put_bytes: int = 0
     put_refused: int = 0  # larger than the budget, or the backend said no

@@ -1,0 +1,118 @@
+"""Start and stop a local ``mooncake_master`` (with its HTTP metadata server) on free loopback
+ports, and the environment that points SGLang-style Mooncake clients at it. Used by
+``scripts/start_mooncake_master.py``, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    def __init__(
+        self,
+        rpc_port: Optional[int] = None,
+        metadata_port: Optional[int] = None,
+        metrics_port: Optional[int] = None,
+        log_path: Optional[str] = None,
+        extra_args: Optional[list[str]] = None,
+    ) -> None:
+        exe = shutil.which("mooncake_master")
+        if exe is None:
+            raise FileNotFoundError(
+                "mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
+                "(and apt-get install libibverbs1)"
+            )
+        self.exe = exe
+        self.rpc_port = rpc_port or free_port()
+        self.metadata_port = metadata_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_path = log_path or os.path.join("/tmp", f"mooncake_master_{self.rpc_port}.log")
+        self.extra_args = list(extra_args or [])
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            self.exe,
+            "--rpc_port",
+            str(self.rpc_port),
+            "--rpc_address",
+            "127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host",
+            "127.0.0.1",
+            "--http_metadata_server_port",
+            str(self.metadata_port),
+            "--metrics_port",
+            str(self.metrics_port),
+            *self.extra_args,
+        ]
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    def client_env(self, segment_bytes: int = 256 << 20) -> dict[str, str]:
+        """SGLang's Mooncake variables for a client of this master over TCP on loopback (SGLang
+        reads MOONCAKE_GLOBAL_SEGMENT_SIZE as bytes or as whole "<n>gb")."""
+        segment = str(int(segment_bytes))
+        return {
+            "MOONCAKE_MASTER": self.master_address,
+            "MOONCAKE_TE_META_DATA_SERVER": self.metadata_url,
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": segment,
+            "MOONCAKE_DEVICE": "",
+        }
+
+    def start(self, timeout: float = 30.0) -> "MooncakeMaster":
+        log = open(self.log_path, "w")  # noqa: SIM115 (handed to the process)
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log {self.log_path}")
+            try:
+                with (
+                    socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.5),
+                    socket.create_connection(("127.0.0.1", self.metadata_port), timeout=0.5),
+                ):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_master not listening after {timeout}s; log {self.log_path}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.proc = None
