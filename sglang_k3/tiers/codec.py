@@ -3,7 +3,8 @@
 An object read back from a tier is trusted only after :func:`decode` checks it: the magic and
 version, that it was written for this very key (the header carries a digest of the key, so an
 object copied or written under another key, another model's or tokenizer's included, is
-refused), the lengths, and a BLAKE2b checksum of the payload. A failure raises
+refused), the lengths, and a CRC-32 of the payload (zlib's, several GB/s; it catches corruption
+and truncation, the key digest catches misplacement; Mooncake's own optional check is a CRC-64). A failure raises
 :class:`InvalidObject`; the tier manager counts and logs it and treats the lookup as a miss.
 Torch-free.
 
@@ -18,20 +19,23 @@ Layout (little-endian)::
     kv     Q    bytes of KV after it
     tokens I    tokens of KV in it
     keydig 16s  BLAKE2b-128 of the key
-    sum    16s  BLAKE2b-128 of the payload
+    crc    I    CRC-32 of the payload
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from dataclasses import dataclass
+from typing import Union
 
 MAGIC = b"K3T1"
 VERSION = 1
 KV_BLOCK = 1
 BOUNDARY = 2
-_HEADER = struct.Struct("<4sHBBQQQI16s16s")
+_HEADER = struct.Struct("<4sHBBQQQI16sI")
+Bytes = Union[bytes, memoryview]
 HEADER_BYTES = _HEADER.size
 
 
@@ -45,29 +49,22 @@ def _digest(data: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class Decoded:
+    """A checked object; ``state`` and ``kv`` are views into the blob (no copy)."""
+
     kind: int
     checkpoint_kind: int
     pos: int
-    state: bytes
-    kv: bytes
+    state: memoryview
+    kv: memoryview
     kv_tokens: int
 
 
-def encode(key: str, kind: int, pos: int, state: bytes, kv: bytes, kv_tokens: int, checkpoint_kind: int = 0) -> bytes:
-    payload = state + kv
+def encode(key: str, kind: int, pos: int, state: Bytes, kv: Bytes, kv_tokens: int, checkpoint_kind: int = 0) -> bytes:
+    crc = zlib.crc32(kv, zlib.crc32(state))
     head = _HEADER.pack(
-        MAGIC,
-        VERSION,
-        kind,
-        checkpoint_kind,
-        pos,
-        len(state),
-        len(kv),
-        kv_tokens,
-        _digest(key.encode()),
-        _digest(payload),
+        MAGIC, VERSION, kind, checkpoint_kind, pos, len(state), len(kv), kv_tokens, _digest(key.encode()), crc
     )
-    return head + payload
+    return b"".join((head, state, kv))
 
 
 def peek(blob: bytes) -> tuple[int, int, int]:
@@ -92,6 +89,6 @@ def decode(key: str, blob: bytes, kv_token_bytes: int, state_bytes: int) -> Deco
     if n_state != (state_bytes if kind == BOUNDARY else 0):
         raise InvalidObject(f"{n_state} state bytes, this server's state is {state_bytes}")
     payload = memoryview(blob)[HEADER_BYTES:]
-    if _digest(payload) != check:
+    if zlib.crc32(payload) != check:
         raise InvalidObject("checksum mismatch")
-    return Decoded(kind, ckind, pos, bytes(payload[:n_state]), bytes(payload[n_state:]), n_tok)
+    return Decoded(kind, ckind, pos, payload[:n_state], payload[n_state:], n_tok)

@@ -132,33 +132,35 @@ class TierManager:
         hashes = block_hashes(tokens, pos, B)
         bkey = boundary_key(self.ns, tokens, pos, hashes, B)
         keys = [kv_block_key(self.ns, h) for h in hashes]
-        cache: dict[int, bytes] = {}
-        state: Optional[bytes] = None
-        held = wrote = False
+        todo = []  # (store, missing block indices) for every store that lacks the boundary
         for store in self.stores:
             if store.exists([bkey])[0]:
-                held = True
                 continue
-            ok = True
-            for k, (key, there) in enumerate(zip(keys, store.exists(keys))):
-                if there:
-                    continue
-                if k not in cache:
-                    cache[k] = self.io.read_kv(kv[k * B : (k + 1) * B])
-                if not store.put(key, codec.encode(key, codec.KV_BLOCK, (k + 1) * B, b"", cache[k], B)):
-                    ok = False
-                    break
-                self.counters.saved_kv_blocks += 1
-            if ok:
-                if state is None:
-                    state = self.io.read_state(handle)
-                    tail = self.io.read_kv(kv[len(hashes) * B : pos])
-                blob = codec.encode(bkey, codec.BOUNDARY, pos, state, tail, pos - len(hashes) * B, int(kind))
-                ok = store.put(bkey, blob)
-            if ok:
-                held = wrote = True
-            else:
-                self.counters.save_failures += 1
+            todo.append((store, [k for k, there in enumerate(store.exists(keys)) if not there]))
+        held = len(todo) < len(self.stores)
+        wrote = False
+        if todo:
+            # one read for everything any tier lacks: the missing blocks and the tail
+            need = sorted({k for _, missing in todo for k in missing})
+            nb = len(hashes)
+            rows = [i for k in need for i in kv[k * B : (k + 1) * B]] + list(kv[nb * B : pos])
+            data = memoryview(self.io.read_kv(rows))
+            tb = self.io.kv_token_bytes
+            block = {k: data[j * B * tb : (j + 1) * B * tb] for j, k in enumerate(need)}
+            tail = data[len(need) * B * tb :]
+            state = self.io.read_state(handle)
+            blob = codec.encode(bkey, codec.BOUNDARY, pos, state, tail, pos - nb * B, int(kind))
+            for store, missing in todo:
+                ok = True
+                for k in missing:
+                    if not store.put(keys[k], codec.encode(keys[k], codec.KV_BLOCK, (k + 1) * B, b"", block[k], B)):
+                        ok = False
+                        break
+                    self.counters.saved_kv_blocks += 1
+                if ok and store.put(bkey, blob):
+                    held = wrote = True
+                else:
+                    self.counters.save_failures += 1
         if wrote:
             self.counters.saves += 1
         elif held:
