@@ -6,7 +6,7 @@ too small for the workload (``--device-args``, default 2,048 KV tokens, 8 state 
 requests):
 
 * ``device``: no lower tier (the default server);
-* ``host``: ``--k3-host-tier-gib HOST`` (default 0.0625 GiB: it overflows too, on purpose);
+* ``host``: ``--k3-host-tier-gib HOST`` (default 16 MiB: it overflows too, on purpose);
 * ``host_mooncake``: the same host tier plus ``--k3-mooncake`` (this instance's segment
   ``--mooncake-segment-mib``, TCP on loopback).
 
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device-args", default=DEVICE_ARGS, help="the device budget, for all three (default: %(default)s)")
     p.add_argument("--server-args", default="", help="extra flags for all three servers, one shell-quoted string")
-    p.add_argument("--host-gib", type=float, default=0.0625, help="host tier GiB of host and host_mooncake")
+    p.add_argument(
+        "--host-gib", type=float, default=0.015625, help="host tier GiB of host and host_mooncake (default 16 MiB)"
+    )
     p.add_argument("--mooncake-segment-mib", type=int, default=1024, help="host_mooncake's Mooncake segment, MiB")
     p.add_argument("--conversations", type=int, default=16, help="chats at once")
     p.add_argument("--turns", type=int, default=4, help="turns per chat")

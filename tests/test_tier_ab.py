@@ -1,0 +1,58 @@
+"""``python -m benchmarks.tier_ab`` (the lower tiers live: device only, +host, +host and Mooncake):
+clear CLI errors, and one small end-to-end run against a real master and three real servers whose
+tiers serve hits the device alone does not, with fp32 checkpoints so every server returns the
+same greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.tier_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_and_bad_flags():
+    r = _run(["--help"], 120)
+    assert r.returncode == 0 and "--host-gib" in r.stdout and "--mooncake-segment-mib" in r.stdout
+    for bad, needle in ((["--host-gib", "0"], "--host-gib"), (["--mooncake-segment-mib", "8"], ">= 16")):
+        r = _run(bad, 120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_tier_ab_end_to_end(tmp_path):
+    pytest.importorskip("mooncake.store")
+    out = tmp_path / "out"
+    args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]
+    args += ["--conversations", "6", "--turns", "3", "--system-len", "64", "--first-len", "256"]
+    args += ["--user-len", "32", "--reply-len", "4", "--host-gib", "0.002", "--mooncake-segment-mib", "64"]
+    args += ["--device-args", "--max-total-tokens 1024 --max-mamba-cache-size 6 --max-running-requests 2"]
+    args += ["--server-args", "--k3-checkpoint-dtype fp32"]
+    r = _run(args, 1200)
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "tier_ab.png").stat().st_size > 0
+    srv = res["servers"]
+    assert "--k3-host-tier-gib" not in srv["device"]["command"]
+    assert "--k3-mooncake" in srv["host_mooncake"]["command"] and "--k3-mooncake" not in srv["host"]["command"]
+    for name in ("device", "host", "host_mooncake"):
+        m = srv[name]["metrics"]
+        assert m["requests"] == 18 and m["errors"] == 0
+    dev, host, both = (srv[n] for n in ("device", "host", "host_mooncake"))
+    assert dev["tiers"]["tier_loads"] == 0
+    assert host["tiers"]["tier_host_hits"] > 0 and host["metrics"]["hit_rate"] > dev["metrics"]["hit_rate"]
+    assert both["tiers"]["tier_l3_hits"] > 0  # the 2 MiB host tier overflows; Mooncake keeps the rest
+    assert both["metrics"]["hit_rate"] >= host["metrics"]["hit_rate"]
+    r = res["ratios_over_device"]["host"]["hit_rate"]
+    assert r == pytest.approx(host["metrics"]["hit_rate"] / dev["metrics"]["hit_rate"])
+    for g in res["greedy_vs_device"].values():
+        assert g["compared"] == 18 and g["mismatches"] == []
