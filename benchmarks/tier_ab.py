@@ -56,6 +56,10 @@ TIER_STATS = (
     "tier_find_seconds",
     "tier_load_seconds",
     "tier_save_seconds",
+    "tier_prefetches",
+    "tier_prefetch_hits",
+    "tier_prefetch_lead_seconds",
+    "tier_prefetch_failures",
     "evicted_checkpoints",
     "evicted_kv_tokens",
 )

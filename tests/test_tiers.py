@@ -186,3 +186,26 @@ def test_a_full_tier_refuses_softly():
     _save_path(p, mgr, toks, 150, active=0)
     assert mgr.counters.save_failures == 1 and mgr.counters.saves == 0
     assert mgr.find(toks, 0, 199, 0) is None
+
+
+def test_prefetch_copies_a_lower_tiers_boundary_up_to_host_memory():
+    """A waiting request's boundary held only by the lower tier is copied into the host tier in the
+    background (blocks first, boundary last); the admission then loads it from host memory and the
+    prefetch is credited with the time it had."""
+    p = Pools(SEED)
+    l3 = HostStore(1 << 24, name="l3")
+    TierManager([l3], NS, p.io).save(_tokens(300), p.fresh_kv(300), 250, p.checkpoint(1))
+    host = HostStore(1 << 24)
+    mgr = TierManager([host, l3], NS, p.io)
+    q = _tokens(300)
+    assert mgr.prefetch(q, 0, 299, 0)
+    assert mgr.wait_prefetches()
+    assert mgr.counters.prefetches == 1 and mgr.counters.prefetch_objects == 4  # 3 blocks + boundary
+    assert not mgr.prefetch(q, 0, 299, 0)  # everything is in host memory now: nothing to copy
+    plan = mgr.find(q, 0, 299, 0)
+    assert plan.store is host and all(store is host for _, _, store in plan.blocks)
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, p.fresh_kv(250), h) is not None
+    assert mgr.hits_by_tier == {"host": 1, "l3": 0}
+    assert mgr.counters.prefetch_hits == 1 and mgr.counters.prefetch_lead_seconds > 0
+    assert not TierManager([l3], NS, p.io).prefetch(q, 0, 299, 0)  # no host tier above: no prefetch

@@ -192,6 +192,8 @@ class CacheLifecycle:
                 rec.unplanned_key = tokens if rec.branch_point is None else None
             if self.tiers is not None:
                 self._promote(tokens)
+        elif self.tiers is not None:
+            self.prefetch(tokens)  # a read-only lookup of a waiting request (e.g. sorting)
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
         if admit and rid is not None:
             rec = self.requests[rid]
@@ -223,6 +225,18 @@ class CacheLifecycle:
         except Exception:  # a tier failing must never take the device cache down with it
             self.counters.tier_errors += 1
             logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
+
+    def prefetch(self, tokens: Sequence[int]) -> None:
+        """A waiting request was looked at (sorted or refreshed): have the lower tiers start
+        copying its deepest boundary up to host memory, so its admission does not wait for L3."""
+        if self.tiers is None or len(tokens) < 2:
+            return
+        try:
+            _, mla_len, restore = self.tree.peek(tokens)
+            self.tiers.prefetch(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
+        except Exception:
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: prefetch lookup failed")
 
     PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
 

@@ -175,10 +175,13 @@ class K3RadixCache(BasePrefixCache):
     def touch_prefix(self, key) -> None:
         """SGLang refreshes the waiting queue's prefixes (head last) so that LRU eviction spares
         what the next requests will hit (``SchedulePolicy._touch_waiting_prefixes``, every 32
-        scheduling calls, on by default): bump the path and the checkpoint a match would restore."""
+        scheduling calls, on by default): bump the path and the checkpoint a match would restore,
+        and with lower tiers start copying the request's deepest boundary up to host memory."""
         if key.extra_key is not None or key.cache_salt is not None or len(key) == 0:
             return
-        self.tree.touch(list(key.raw_token_ids()))
+        tokens = list(key.raw_token_ids())
+        self.tree.touch(tokens)
+        self.lifecycle.prefetch(tokens)  # lower tiers: start copying its boundary up to host memory
 
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``handle`` when its

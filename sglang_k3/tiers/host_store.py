@@ -11,6 +11,7 @@ to and from the device is the tier IO's job (:mod:`sglang_k3.tiers.torch_io`). T
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
@@ -43,9 +44,14 @@ class HostStore:
         self._charged: dict[str, int] = {}
         self.used_bytes = 0
         self.counters = StoreCounters()
+        self._lock = threading.Lock()  # the prefetcher writes from its own thread
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Which keys are held; a key found counts as a use (as a Mooncake lookup leases it)."""
+        with self._lock:
+            return self._exists(keys)
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
         out = []
         for k in keys:
             there = k in self._objects
@@ -55,6 +61,10 @@ class HostStore:
         return out
 
     def get(self, key: str) -> Optional[bytes]:
+        with self._lock:
+            return self._get(key)
+
+    def _get(self, key: str) -> Optional[bytes]:
         self.counters.gets += 1
         blob = self._objects.get(key)
         if blob is not None:
@@ -69,6 +79,10 @@ class HostStore:
         return len(blob)
 
     def put(self, key: str, blob: bytes) -> bool:
+        with self._lock:
+            return self._put(key, blob)
+
+    def _put(self, key: str, blob: bytes) -> bool:
         if key in self._objects:
             self._objects.move_to_end(key)
             return True
@@ -90,15 +104,17 @@ class HostStore:
         return True
 
     def remove(self, key: str) -> bool:
-        if self._objects.pop(key, None) is None:
-            return False
-        self.used_bytes -= self._charged.pop(key)
-        return True
+        with self._lock:
+            if self._objects.pop(key, None) is None:
+                return False
+            self.used_bytes -= self._charged.pop(key)
+            return True
 
     def clear(self) -> None:
-        self._objects.clear()
-        self._charged.clear()
-        self.used_bytes = 0
+        with self._lock:
+            self._objects.clear()
+            self._charged.clear()
+            self.used_bytes = 0
 
     def __len__(self) -> int:
         return len(self._objects)

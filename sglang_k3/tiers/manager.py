@@ -96,6 +96,13 @@ class TierCounters:
     load_no_memory: int = 0  # found, but no device memory for it now
     invalid_objects: int = 0  # failed validation: a miss, never restored
     incomplete: int = 0  # a part vanished between lookup and load
+    prefetches: int = 0  # copies into the host tier started for a waiting request
+    prefetch_objects: int = 0  # objects they copied up
+    prefetch_bytes: int = 0
+    prefetch_seconds: float = 0.0  # spent copying (in the prefetch thread)
+    prefetch_failures: int = 0  # a part was gone or the host refused it
+    prefetch_hits: int = 0  # loads served from the host tier because a prefetch put it there
+    prefetch_lead_seconds: float = 0.0  # from those prefetches' start to the load (time in the queue)
 
     def as_dict(self) -> dict:
         return {f"tier_{f.name}": getattr(self, f.name) for f in fields(self)}
@@ -119,6 +126,12 @@ class TierManager:
         self.write_policy = write_policy
         self.counters = TierCounters()
         self.hits_by_tier = {s.name: 0 for s in self.stores}
+        # Prefetch (best effort, SGLang's default storage prefetch policy): a waiting request's
+        # boundary that lies in a lower tier is copied into the host tier by one background
+        # thread, so its admission loads from host memory; admission never waits for it.
+        self._executor = None
+        self._inflight: dict[str, float] = {}  # boundary key -> start of its copy
+        self._prefetched: dict[str, float] = {}  # copied up, not loaded yet (oldest first, bounded)
 
     # ------------------------------------------------------------------ save
     def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
@@ -175,14 +188,70 @@ class TierManager:
         if cap <= floor:
             return None
         t0 = time.perf_counter()
+        self.counters.lookups += 1
         try:
-            return self._find(tokens, floor, cap, device_kv)
+            plan = self._find(tokens, floor, cap, device_kv)
         finally:
             self.counters.find_seconds += time.perf_counter() - t0
+        if plan is not None:
+            self.counters.found += 1
+        return plan
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> bool:
+        """For a waiting request: start copying into the host tier (the first store) the parts of
+        the deepest boundary past ``floor`` that only a lower tier holds. Returns whether a copy
+        started (not when there is no host tier above another, nothing to copy, or one running)."""
+        host = self.stores[0]
+        if len(self.stores) < 2 or host.name != "host" or cap <= floor:
+            return False
+        plan = self._find(tokens, floor, cap, device_kv)
+        if plan is None or plan.key in self._inflight:
+            return False
+        parts = [(key, store) for _, key, store in plan.blocks if store is not host]
+        if plan.store is not host:
+            parts.append((plan.key, plan.store))  # the boundary last, as a save writes it
+        if not parts:
+            return False
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-prefetch")
+        self._inflight[plan.key] = time.perf_counter()
+        self.counters.prefetches += 1
+        self._executor.submit(self._copy_up, host, plan.key, parts)
+        return True
+
+    def _copy_up(self, host: TierStore, bkey: str, parts: list) -> None:
+        t0 = time.perf_counter()
+        c = self.counters
+        try:
+            for key, store in parts:
+                blob = store.get(key)
+                if not blob or not host.put(key, blob):
+                    c.prefetch_failures += 1
+                    return
+                c.prefetch_objects += 1
+                c.prefetch_bytes += len(blob)
+            self._prefetched[bkey] = self._inflight.get(bkey, t0)
+            while len(self._prefetched) > 4096:
+                self._prefetched.pop(next(iter(self._prefetched)))
+        except Exception:
+            c.prefetch_failures += 1
+            logger.exception("k3 tier: prefetch of %s failed", bkey)
+        finally:
+            c.prefetch_seconds += time.perf_counter() - t0
+            self._inflight.pop(bkey, None)
+
+    def wait_prefetches(self, timeout: float = 30.0) -> bool:
+        """Block until no prefetch runs (tests, shutdown); False on timeout."""
+        deadline = time.perf_counter() + timeout
+        while self._inflight and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        return not self._inflight
 
     def _find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
         B = self.block
-        self.counters.lookups += 1
         hashes = block_hashes(tokens, cap, B)
         first = min(device_kv, cap) // B  # the first block not wholly on the device
         keys = [kv_block_key(self.ns, h) for h in hashes[first:]]
@@ -211,7 +280,6 @@ class TierManager:
                         break  # the window is deepest first
             if best is not None:
                 p, key, store = best
-                self.counters.found += 1
                 blocks = [(j, keys[j - first], src[j - first]) for j in range(first, p // B)]
                 return TierPlan(pos=p, key=key, store=store, kv_from=min(device_kv, p), blocks=blocks)
         return None
@@ -264,6 +332,10 @@ class TierManager:
         c.load_bytes += nbytes + len(obj.kv) + len(obj.state)
         c.load_seconds += time.perf_counter() - t0
         self.hits_by_tier[plan.store.name] += 1
+        started = self._prefetched.pop(plan.key, None)
+        if started is not None and plan.store is self.stores[0]:
+            c.prefetch_hits += 1
+            c.prefetch_lead_seconds += time.perf_counter() - started
         return obj.checkpoint_kind
 
     def stats(self) -> dict:
