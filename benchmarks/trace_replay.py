@@ -232,6 +232,7 @@ def build_records(args, results) -> list:
                 evict_watermark=args.evict_watermark,
                 host_budget_gib=args.host_budget_gib if p.startswith("k3") else 0,
                 l3_budget_gib=args.l3_budget_gib if p.startswith("k3") else 0,
+                tier_park_interval=args.tier_park_interval if p.startswith("k3") else 0,
             )
             records.append(rec)
     return records
@@ -396,6 +397,13 @@ def parse_args(argv=None):
         default=12.5,
         help="L3-to-device GB/s for tier loads (default: %(default)s, one 100 Gb/s NIC: an assumption)",
     )
+    ap.add_argument(
+        "--tier-park-interval",
+        type=int,
+        default=0,
+        help="k3 policies with a tier: --k3-tier-park-interval, a prompt's state saved below the "
+        "device every N tokens (a multiple of 64 and of --symbol-tokens; 0: off; default: %(default)s)",
+    )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel worker processes (default: %(default)s)"
@@ -429,6 +437,10 @@ def parse_args(argv=None):
     for name in ("host_budget_gib", "l3_budget_gib"):
         if not (0 <= getattr(args, name) < float("inf")):
             ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0")
+    if args.tier_park_interval < 0 or args.tier_park_interval % max(64, args.symbol_tokens):
+        ap.error("--tier-park-interval must be a multiple of 64 and of --symbol-tokens")
+    if args.tier_park_interval and not (args.host_budget_gib or args.l3_budget_gib):
+        ap.error("--tier-park-interval needs --host-budget-gib or --l3-budget-gib")
     if args.host_gbps <= 0 or args.l3_gbps <= 0:
         ap.error("--host-gbps and --l3-gbps must be > 0")
     return args
@@ -460,6 +472,7 @@ def main(argv=None) -> int:
         l3_budget_bytes=args.l3_budget_gib * GiB,
         host_gbps=args.host_gbps,
         l3_gbps=args.l3_gbps,
+        tier_park_interval=args.tier_park_interval,
     )
     print(
         f"trace: {len(trace)} requests, {sum(trace.input_len):,} prompt tokens, "

@@ -41,6 +41,7 @@ class K3Config:
     host_tier_gib: float = 0.0  # host tier for evicted boundaries (KV + state), GiB; 0: off
     tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
     mooncake: bool = False  # an L3 tier in a Mooncake store, configured by SGLang's MOONCAKE_* variables
+    tier_park_interval: int = 0  # tokens: also save a prompt's state every N tokens to the lower tiers; 0 off
 
     def __post_init__(self) -> None:
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
@@ -60,6 +61,8 @@ class K3Config:
             raise ValueError(f"eviction_alpha must be a finite number >= 0 (got {self.eviction_alpha})")
         if not (self.host_tier_gib >= 0 and self.host_tier_gib < float("inf")):
             raise ValueError(f"host_tier_gib must be a finite number >= 0 (got {self.host_tier_gib})")
+        if self.tier_park_interval < 0 or self.tier_park_interval % 64:
+            raise ValueError(f"tier_park_interval must be a multiple of 64 >= 0 (got {self.tier_park_interval})")
         if self.tier_write_policy not in TIER_WRITE_POLICIES:
             raise ValueError(
                 f"tier write policy {self.tier_write_policy!r}: choose one of {', '.join(TIER_WRITE_POLICIES)}"

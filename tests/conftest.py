@@ -60,7 +60,8 @@ SERVER_CONFIGS: dict[str, list[str]] = {
         "256",
     ],
     # A host tier under a device budget far too small for the workload (1,024 KV tokens, 6 state
-    # slots): most hits come back from host memory; fp32 checkpoints so greedy tokens are exact.
+    # slots): most hits come back from host memory; prompts also park a state below the device every
+    # 128 tokens; fp32 checkpoints so greedy tokens are exact.
     "k3_host_tier": [
         "--k3-checkpoint-dtype",
         "fp32",
@@ -72,6 +73,8 @@ SERVER_CONFIGS: dict[str, list[str]] = {
         "2",
         "--k3-host-tier-gib",
         "1",
+        "--k3-tier-park-interval",
+        "128",
     ],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],

@@ -16,9 +16,11 @@ bugs in its hybrid host tier, whose shapes they exercise:
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import requests
-from workloads import run_conversations
+from workloads import random_tokens, run_conversations
 
 SEED = 4242
 KW = dict(n_conv=8, n_turns=3, system_len=120, user_len=(200, 260), reply_len=6)
@@ -66,3 +68,24 @@ def test_reported_hits_are_restorable_boundaries_sglang_39147(runs):
     assert reported == restored
     assert after["tier_incomplete"] == before["tier_incomplete"]
     assert after["tier_loads"] - before["tier_loads"] == after["tier_host_hits"] - before["tier_host_hits"]
+
+
+def test_a_first_time_fork_inside_an_earlier_prompt_restores_near_the_fork(server_factory):
+    """Dense states below the device (``--k3-tier-park-interval 128``): a request that forks inside
+    an earlier prompt, where the device never kept a state, restores from the parked state at the
+    last multiple of 128 before the fork (upstream and a device-only k3 recompute from the last
+    state they kept, here none)."""
+    tier, plain = server_factory("k3_host_tier"), server_factory("nocache")
+    rng = random.Random(SEED + 1)
+    first = random_tokens(rng, 700)
+    tier.generate(first, 4)
+    before = _k3_stats(tier)
+    fork = first[:450] + random_tokens(rng, 60)
+    out = tier.generate(fork, 6)
+    after = _k3_stats(tier)
+    # 384 when every parked state is still below (the transient checkpoint slot parking takes may
+    # be unavailable under this tiny budget, then a shallower multiple of 128)
+    print(f"fork at 450 restored {out['meta_info']['cached_tokens']} tokens; parked {after['tier_parked']}")
+    assert out["meta_info"]["cached_tokens"] in (128, 256, 384), out["meta_info"]
+    assert after["tier_loads"] > before["tier_loads"] and after["tier_parked"] >= 4
+    assert out["output_ids"] == plain.generate(fork, 6)["output_ids"]

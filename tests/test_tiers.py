@@ -112,6 +112,8 @@ def test_save_then_load_restores_kv_and_state_byte_for_byte():
     toks = _tokens(300)
     kv = _save_path(p, mgr, toks, 250, active=2)
     assert mgr.counters.saves == 1 and mgr.counters.saved_kv_blocks == 3  # blocks 0-2, tail 192..250
+    assert host.held_state_bytes == p.io.state_bytes  # one checkpoint held; the rest is KV and headers
+    assert host.used_bytes == p.io.state_bytes + 250 * p.io.kv_token_bytes + 4 * codec.HEADER_BYTES
     request = toks[:280] + _tokens(20, seed=9)
     # the device holds the first 100 tokens' KV and no state
     plan = mgr.find(request, floor=0, cap=len(request) - 1, device_kv=100)

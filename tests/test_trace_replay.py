@@ -184,6 +184,9 @@ def test_lower_tiers_bring_back_what_the_device_evicted(tmp_path):
     assert host["hit_rate"] > dev["hit_rate"] and l3["hit_rate"] > dev["hit_rate"]
     assert host["tiers"]["hits"]["host"] > 0 and "l3" not in host["tiers"]["hits"]
     assert l3["tiers"]["hits"]["l3"] > 0 and l3["l3_budget_gib"] == 4
+    t = host["tiers"]  # what the host tier held at the end: whole checkpoints, within its budget
+    assert 0 < t["tier_host_state_bytes"] < t["tier_host_bytes"] <= t["tier_host_budget_bytes"] == 2 << 30
+    assert t["tier_host_state_bytes"] % host["state_bytes_per_checkpoint"] == 0
     assert host["oracle_fraction"] <= 1 and l3["oracle_fraction"] <= 1
     # upstream has no tier here: the same number with and without the flags, and labelled so
     assert runs["host"]["upstream"]["hit_rate"] == runs["device"]["upstream"]["hit_rate"]

@@ -151,6 +151,8 @@ class K3Policy(Policy):
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
         self.cfg = cfg
         self.k3 = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
+        if cfg.tier_park_interval:
+            self.k3 = dataclasses.replace(self.k3, tier_park_interval=cfg.tier_park_interval)
         self.budget_bytes = budget_bytes
         slot_bytes = cfg.checkpoint_bytes(self.k3.checkpoint_dtype)
         self.unified = self.k3.unified_memory and budget_bytes is not None
@@ -383,6 +385,7 @@ class K3Policy(Policy):
                 "boundaries_saved": t["tier_saves"],
                 "save_failures": t["tier_save_failures"],
                 "no_memory": t["tier_load_no_memory"],
+                "parked": self.lifecycle.counters.tier_parked,
                 **{k: v for k, v in t.items() if k.endswith(("_bytes", "_objects", "_evictions"))},
             }
         if self.ledger is not None:

@@ -56,6 +56,9 @@ class ModelledStore(HostStore):
         kind, _, kv_symbols = codec.peek(blob)
         return (self.state_bytes if kind == codec.BOUNDARY else 0) + kv_symbols * self.kv_symbol_bytes
 
+    def state_charge(self, blob: bytes) -> int:
+        return self.state_bytes if codec.peek(blob)[0] == codec.BOUNDARY else 0
+
 
 def build_sim_tiers(cfg, checkpoint_bytes: int) -> Optional[TierManager]:
     """The tier manager for ``cfg``'s host and L3 budgets (None when both are 0)."""

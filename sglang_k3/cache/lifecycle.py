@@ -135,6 +135,7 @@ class LifecycleCounters:
     stores_flushed: int = 0  # checkpoints stored by them
     stale_state_skips: int = 0  # live-slot copies not made: the slot had moved past the boundary
     tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
+    tier_parked: int = 0  # exported states saved straight to the lower tiers (dense states)
 
 
 class CacheLifecycle:
@@ -146,6 +147,7 @@ class CacheLifecycle:
         free_kv: Callable[[list[int]], None],
         tiers: Optional["TierManager"] = None,  # noqa: F821
         alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
+        park_every: int = 0,
     ) -> None:
         self.tree = tree
         self.placement = placement
@@ -159,6 +161,10 @@ class CacheLifecycle:
         self.tiers = tiers
         self._alloc_kv = alloc_kv
         tree.capture_evicted = tiers is not None
+        # Dense states below the device: every ``park_every`` positions of a prefill, the exported
+        # state goes straight to the lower tiers (not into the tree), so a later first-time fork
+        # inside this prompt restores close to where it forks. 0: off.
+        self.park_every = park_every if tiers is not None else 0
         self.requests: dict[str, RequestRecord] = {}
         self._prune_at = 64
         self._store_scope = 0
@@ -360,11 +366,14 @@ class CacheLifecycle:
             # their forward those paths may be in: look for the fork again, once.
             rec.branch_point = self.tree.find_branch_point(rec.unplanned_key) or None
             rec.unplanned_key = None
-        return list(
+        wanted = list(
             self.placement.export_candidates(
                 grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None
             )
         )
+        if self.park_every:
+            wanted += [p for p in grid if p % self.park_every == 0 and p not in wanted]
+        return wanted
 
     def store_exports(self, rid: str, node: Node, end: int, source: ExportSource) -> None:
         """Keep the exported states :meth:`export_plan` wanted: the last grid point before the
@@ -383,6 +392,26 @@ class CacheLifecycle:
             if handle is None:
                 return  # no memory for it now
             self._register(node, pos, handle, kind, rid)
+        if self.park_every:
+            self._park(node, source, wanted)
+
+    def _park(self, node: Node, source: ExportSource, wanted) -> None:
+        """Save the extend's exported states at multiples of ``park_every`` to the lower tiers
+        only: each through a transient checkpoint slot, freed right after."""
+        for pos in source.grid():
+            if pos % self.park_every or pos in wanted or pos > node.end or not source.kept(pos):
+                continue
+            tokens, kv = self.tree.path_prefix(node, pos)
+            if self.tiers.holds(tokens, pos):  # type: ignore[union-attr]
+                continue
+            handle = self._pinned(node, self.store.capture_export, source, pos)
+            if handle is None:
+                return
+            try:
+                self._tier_save(tokens, kv, pos, handle, int(CheckpointKind.CHUNK))
+                self.counters.tier_parked += 1
+            finally:
+                self.store.free([handle])
 
     def _restored_is_branch_state(self, rec: RequestRecord) -> None:
         """The request forks off the tree at its branch point, and its extend exported no state
@@ -697,6 +726,7 @@ class CacheLifecycle:
             stores_flushed=self.counters.stores_flushed,
             stale_state_skips=self.counters.stale_state_skips,
             tier_errors=self.counters.tier_errors,
+            tier_parked=self.counters.tier_parked,
         )
         d.update(self.store.stats())
         if self.tiers is not None:
@@ -741,4 +771,7 @@ def build_lifecycle(
     """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
     host gives the eviction policy its cost model; the config gives it its alpha)."""
     eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
-    return CacheLifecycle(build_tree(eviction), placement_from_config(cfg, unit), store, free_kv, tiers, alloc_kv)
+    park = cfg.tier_park_interval // unit if tiers is not None else 0
+    return CacheLifecycle(
+        build_tree(eviction), placement_from_config(cfg, unit), store, free_kv, tiers, alloc_kv, park_every=park
+    )

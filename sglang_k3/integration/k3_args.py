@@ -158,6 +158,15 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "write_through_selective at its first hit. Each also saves at eviction what is not below yet.",
     )
     g.add_argument(
+        "--k3-tier-park-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="k3 cache, with a lower tier: while a prompt is prefilled, also save its state every N "
+        "tokens (a multiple of 64) straight to the lower tiers, not to the device, so a later request "
+        "that forks inside this prompt restores close to its fork (default 0: off).",
+    )
+    g.add_argument(
         "--k3-mooncake",
         action="store_true",
         help="k3 cache: add a Mooncake store as the L3 tier, below the host tier (or alone), shared "
@@ -183,6 +192,10 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
             raise SystemExit(f"--k3-{flag.replace('_', '-')} must be >= 0")
     if not (0 <= ns.k3_eviction_alpha < float("inf")):
         raise SystemExit("--k3-eviction-alpha must be a finite number >= 0")
+    if ns.k3_tier_park_interval < 0 or ns.k3_tier_park_interval % 64:
+        raise SystemExit("--k3-tier-park-interval must be a multiple of 64 (0: off)")
+    if ns.k3_tier_park_interval and not (ns.k3_host_tier_gib > 0 or ns.k3_mooncake):
+        raise SystemExit("--k3-tier-park-interval needs a lower tier (--k3-host-tier-gib or --k3-mooncake)")
     if not (0 <= ns.k3_host_tier_gib < float("inf")):
         raise SystemExit("--k3-host-tier-gib must be a finite number >= 0")
     if (ns.k3_host_tier_gib > 0 or ns.k3_mooncake) and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
@@ -212,6 +225,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         host_tier_gib=ns.k3_host_tier_gib,
         tier_write_policy=ns.k3_tier_write_policy,
         mooncake=ns.k3_mooncake,
+        tier_park_interval=ns.k3_tier_park_interval,
     )
 
 

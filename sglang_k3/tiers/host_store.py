@@ -16,6 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
+from sglang_k3.tiers import codec
+
 
 @dataclass
 class StoreCounters:
@@ -42,7 +44,9 @@ class HostStore:
         self.budget_bytes = int(budget_bytes)
         self._objects: OrderedDict[str, bytes] = OrderedDict()
         self._charged: dict[str, int] = {}
+        self._state: dict[str, int] = {}  # of each object's charge, the checkpoint's bytes
         self.used_bytes = 0
+        self.held_state_bytes = 0
         self.counters = StoreCounters()
         self._lock = threading.Lock()  # the prefetcher writes from its own thread
 
@@ -78,6 +82,10 @@ class HostStore:
         modelled size of an object whose payload it does not materialise)."""
         return len(blob)
 
+    def state_charge(self, blob: bytes) -> int:
+        """Of :meth:`charge`, the bytes of the KDA state (the rest is MLA KV and the header)."""
+        return codec.peek(blob)[1] if len(blob) >= codec.HEADER_BYTES else 0
+
     def put(self, key: str, blob: bytes) -> bool:
         with self._lock:
             return self._put(key, blob)
@@ -94,11 +102,14 @@ class HostStore:
             old, _ = self._objects.popitem(last=False)
             freed = self._charged.pop(old)
             self.used_bytes -= freed
+            self.held_state_bytes -= self._state.pop(old)
             self.counters.evictions += 1
             self.counters.evicted_bytes += freed
         self._objects[key] = blob
         self._charged[key] = size
+        self._state[key] = self.state_charge(blob)
         self.used_bytes += size
+        self.held_state_bytes += self._state[key]
         self.counters.puts += 1
         self.counters.put_bytes += size
         return True
@@ -108,13 +119,16 @@ class HostStore:
             if self._objects.pop(key, None) is None:
                 return False
             self.used_bytes -= self._charged.pop(key)
+            self.held_state_bytes -= self._state.pop(key)
             return True
 
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()
             self._charged.clear()
+            self._state.clear()
             self.used_bytes = 0
+            self.held_state_bytes = 0
 
     def __len__(self) -> int:
         return len(self._objects)
@@ -122,6 +136,7 @@ class HostStore:
     def stats(self) -> dict[str, int]:
         d = self.counters.as_dict(f"tier_{self.name}")
         d[f"tier_{self.name}_bytes"] = self.used_bytes
+        d[f"tier_{self.name}_state_bytes"] = self.held_state_bytes
         d[f"tier_{self.name}_objects"] = len(self._objects)
         d[f"tier_{self.name}_budget_bytes"] = self.budget_bytes
         return d

@@ -181,6 +181,11 @@ class TierManager:
         self.counters.save_seconds += time.perf_counter() - t0
         return held
 
+    def holds(self, tokens: Sequence[int], pos: int) -> bool:
+        """Whether some tier holds the boundary object after ``pos`` tokens (its KV unchecked)."""
+        key = boundary_key(self.ns, tokens, pos, block_hashes(tokens, pos, self.block), self.block)
+        return any(store.exists([key])[0] for store in self.stores)
+
     # ------------------------------------------------------------------ find / load
     def find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
         """The deepest boundary in ``(floor, cap]`` whose state is in a tier and whose KV is on
