@@ -46,14 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--server-args", default="", help="extra flags for both servers, one shell-quoted string")
-    p.add_argument("--conversations", type=int, default=8, help="chats at once (= requests in flight)")
-    p.add_argument("--turns", type=int, default=3, help="turns per chat")
-    p.add_argument("--system-len", type=int, default=256, help="shared system prompt tokens")
-    p.add_argument("--first-len", type=int, default=128, help="user tokens of the first turn")
-    p.add_argument("--user-len", type=int, default=64, help="user tokens of each later turn")
-    p.add_argument("--reply-len", type=int, default=48, help="greedy output tokens per turn")
+    wl.add_multiturn_args(p, conversations=8, turns=3, first_len=128, user_len=64, reply_len=48)
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs both servers, order flipped")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (recorded)")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="server logs (default: the system temp folder)")
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
@@ -63,11 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("conversations", "turns", "reply_len", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.system_len + args.first_len < 1 or args.user_len < 0:
-        p.error("--system-len + --first-len must be >= 1 and --user-len >= 0")
+    wl.check_multiturn_args(p, args)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -126,17 +118,7 @@ def main(argv=None) -> int:
                 s = servers[name]
                 s.flush_cache()
                 summary, outs = wl.run_multiturn(
-                    s.url,
-                    name,
-                    vocab,
-                    conversations=args.conversations,
-                    turns=args.turns,
-                    system_len=args.system_len,
-                    first_len=args.first_len,
-                    user_len=args.user_len,
-                    reply_len=args.reply_len,
-                    seed=args.seed,
-                    verbose=not args.quiet,
+                    s.url, name, vocab, verbose=not args.quiet, **wl.multiturn_kwargs(args)
                 )
                 runs[name].append({"round": r, **summary})
                 outputs.setdefault(name, outs)

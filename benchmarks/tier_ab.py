@@ -76,13 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-gib", type=float, default=0.015625, help="host tier GiB of host and host_mooncake (default 16 MiB)"
     )
     p.add_argument("--mooncake-segment-mib", type=int, default=1024, help="host_mooncake's Mooncake segment, MiB")
-    p.add_argument("--conversations", type=int, default=16, help="chats at once")
-    p.add_argument("--turns", type=int, default=4, help="turns per chat")
-    p.add_argument("--system-len", type=int, default=256, help="shared system prompt tokens")
-    p.add_argument("--first-len", type=int, default=512, help="user tokens of the first turn")
-    p.add_argument("--user-len", type=int, default=128, help="user tokens of each later turn")
-    p.add_argument("--reply-len", type=int, default=32, help="greedy output tokens per turn")
-    p.add_argument("--seed", type=int, default=0, help="workload seed (recorded)")
+    wl.add_multiturn_args(p, conversations=16, turns=4, first_len=512, user_len=128, reply_len=32)
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="server and master logs (default: the system temp folder)")
     p.add_argument("--quiet", action="store_true", help="no per-request progress lines")
@@ -92,15 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("conversations", "turns", "reply_len", "mooncake_segment_mib"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    wl.check_multiturn_args(p, args)
     if not (0 < args.host_gib < float("inf")):
         p.error("--host-gib must be a positive number")
     if args.mooncake_segment_mib < 16:
         p.error("--mooncake-segment-mib must be >= 16 (Mooncake's smallest segment that mounts)")
-    if args.system_len + args.first_len < 1 or args.user_len < 0:
-        p.error("--system-len + --first-len must be >= 1 and --user-len >= 0")
     return args
 
 
@@ -164,17 +154,7 @@ def main(argv=None) -> int:
             try:
                 before = k3_stats(srv.url)
                 metrics, outs = wl.run_multiturn(
-                    srv.url,
-                    name,
-                    vocab,
-                    conversations=args.conversations,
-                    turns=args.turns,
-                    system_len=args.system_len,
-                    first_len=args.first_len,
-                    user_len=args.user_len,
-                    reply_len=args.reply_len,
-                    seed=args.seed,
-                    verbose=not args.quiet,
+                    srv.url, name, vocab, verbose=not args.quiet, **wl.multiturn_kwargs(args)
                 )
                 after = k3_stats(srv.url)
             finally:

@@ -8,7 +8,6 @@ with the tail of that log.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from typing import Optional
 
 import requests
+
+from sglang_k3.process_group import stop_group
 
 
 def free_port() -> int:
@@ -127,15 +128,7 @@ class Server:
     def stop(self) -> None:
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        stop_group(self.proc, term_timeout=30)
         self.proc = None
         if self._log is not None:
             self._log.close()

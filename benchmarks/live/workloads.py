@@ -151,6 +151,32 @@ def _fmt(x) -> str:
 
 
 # ----------------------------------------------------------------------------- multi-turn
+def add_multiturn_args(p, *, conversations: int, turns: int, first_len: int, user_len: int, reply_len: int) -> None:
+    """The flags of :func:`run_multiturn`'s workload, with a benchmark's own defaults."""
+    p.add_argument("--conversations", type=int, default=conversations, help="chats at once (= requests in flight)")
+    p.add_argument("--turns", type=int, default=turns, help="turns per chat")
+    p.add_argument("--system-len", type=int, default=256, help="shared system prompt tokens")
+    p.add_argument("--first-len", type=int, default=first_len, help="user tokens of the first turn")
+    p.add_argument("--user-len", type=int, default=user_len, help="user tokens of each later turn")
+    p.add_argument("--reply-len", type=int, default=reply_len, help="greedy output tokens per turn")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (recorded)")
+
+
+def check_multiturn_args(p, args) -> None:
+    """``p.error`` for workload flags :func:`run_multiturn` cannot run."""
+    for name in ("conversations", "turns", "reply_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.system_len + args.first_len < 1 or args.user_len < 0:
+        p.error("--system-len + --first-len must be >= 1 and --user-len >= 0")
+
+
+def multiturn_kwargs(args) -> dict:
+    """:func:`run_multiturn`'s workload keywords from flags added by :func:`add_multiturn_args`."""
+    names = ("conversations", "turns", "system_len", "first_len", "user_len", "reply_len", "seed")
+    return {n: getattr(args, n) for n in names}
+
+
 def run_multiturn(
     url: str,
     label: str,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from typing import Optional
+
+from sglang_k3.process_group import stop_group
 
 
 def free_port() -> int:
@@ -106,13 +107,5 @@ class MooncakeMaster:
     def stop(self, kill: bool = False) -> None:
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        stop_group(self.proc, term_timeout=20, kill=kill)
         self.proc = None
