@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 
 import requests
@@ -141,7 +142,8 @@ def main(argv=None) -> int:
     base = [*shlex.split(args.device_args), *shlex.split(args.server_args)]
     host = ["--k3-host-tier-gib", str(args.host_gib)]
     flags = {"device": base, "host": [*base, *host], "host_mooncake": [*base, *host, "--k3-mooncake"]}
-    log_dir = args.log_dir or "/tmp"
+    log_dir = args.log_dir or tempfile.gettempdir()
+    os.makedirs(log_dir, exist_ok=True)
     master = None
     servers: dict[str, dict] = {}
     outputs: dict[str, dict] = {}

@@ -30,7 +30,7 @@ def _k3_state(s) -> dict:
     return states[0][obs.SERVER_INFO_KEY]
 
 
-_SERIES = re.compile(r"^(sglang_k3_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
+_SERIES = re.compile(r"^(sglang_k3_[a-z0-9_]+)(\{[^}]*\})?\s+(\S+)$")
 
 
 def _k3_metrics(s) -> dict[str, float]:
