@@ -80,15 +80,24 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3_metrics": ["--enable-metrics"],
 }
 
-_servers: dict[str, Server] = {}
+_servers: dict[str, Server] = {}  # least recently used first
+# Servers kept alive at once. Each takes 1-3 GB in three processes; with every configuration alive
+# to the end, a 24 GiB CI machine ran short of page cache for the 11 GB environment and a late
+# server took minutes to start. Tests use one or two configurations at a time (most with
+# ``nocache``), so the least recently used one is stopped first and restarted if asked for again.
+MAX_LIVE_SERVERS = 4
 
 
 def get_server(name: str) -> Server:
-    srv = _servers.get(name)
+    srv = _servers.pop(name, None)
     if srv is None or not srv.alive():
+        while len(_servers) >= MAX_LIVE_SERVERS:
+            old_name = next(iter(_servers))
+            _servers.pop(old_name).stop()
+            print(f"\n[server {old_name}] stopped (least recently used)", file=sys.stderr)
         srv = Server(name, SERVER_CONFIGS[name]).start()
-        _servers[name] = srv
         print(f"\n[server {name}] healthy after {srv.start_seconds:.1f}s at {srv.url}", file=sys.stderr)
+    _servers[name] = srv  # most recently used last
     return srv
 
 

@@ -110,6 +110,8 @@ def test_floors_above_the_budget_fail_at_start_with_the_sizes():
     refused the same way, tests/test_unified_memory.py; SGLang refuses most such budgets itself.)"""
     from server_utils import free_port
 
+    from sglang_k3.process_group import stop_group
+
     cmd = [
         sys.executable,
         "-m",
@@ -119,9 +121,13 @@ def test_floors_above_the_budget_fail_at_start_with_the_sizes():
         "--k3-min-kv-tokens",
         "1000000",
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode != 0
-    log = p.stdout + p.stderr
+    # its own process group, so that on a timeout nothing it started outlives the test
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=600)
+    finally:
+        stop_group(proc, term_timeout=10)
+    assert proc.returncode != 0
     assert "sglang-k3 unified memory: the budget of" in log and "--k3-min-kv-tokens 1000000" in log
 
 
