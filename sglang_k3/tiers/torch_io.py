@@ -59,9 +59,8 @@ class _Staging:
 
     def to_device(self, data: bytes) -> torch.Tensor:
         """``data`` as a uint8 tensor on the device (a copy: ``data`` may be reused)."""
-        host = torch.frombuffer(bytearray(data), dtype=torch.uint8) if not self.cuda else None
-        if host is not None:
-            return host
+        if not self.cuda:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
         stage = self._get(len(data))
         stage.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         out = stage.to(self.device, non_blocking=True)
