@@ -35,10 +35,13 @@ setup(
             "fla-core==0.6.0",
             "ruff==0.17.6",
             "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+            "sglang-router==0.3.2",
         ],
         "bench": ["matplotlib", "tqdm"],
         # --k3-mooncake (the L3 tier); the wheel needs the system's libibverbs1 (apt-get install libibverbs1)
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        # scripts/start_fleet.py and python -m sglang_k3.fleet.launch_router (the fleet)
+        "fleet": ["mooncake-transfer-engine-non-cuda==0.3.13.post1", "sglang-router==0.3.2"],
     },
     entry_points={
         "sglang.srt.platforms": ["k3_cpu = sglang_k3.integration.platform_entry:activate"],

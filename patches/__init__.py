@@ -28,6 +28,8 @@ PATCH_MODULES: list[str] = [
     "kda_backend_forward_extend",
     "kda_triton_extend_export",
     "tokenizer_manager_validate",
+    "tokenizer_manager_admission",
+    "tokenizer_manager_admission_release",
     "batch_result_decode_checkpoint",
     "scheduler_internal_state_k3",
     "scheduler_process_batch_result_k3",

@@ -42,8 +42,21 @@ class K3Config:
     tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
     mooncake: bool = False  # an L3 tier in a Mooncake store, configured by SGLang's MOONCAKE_* variables
     tier_park_interval: int = 0  # tokens: also save a prompt's state every N tokens to the lower tiers; 0 off
+    # Admission budgets per prompt-length class (sglang_k3/fleet/admission.py); no thresholds: off
+    admission_thresholds: tuple = ()
+    admission_shares: tuple = ()  # per class; empty: 1.0 for the shortest class, 0.5 for each other
+    admission_capacity_tokens: int = 0  # 0: the server's --chunked-prefill-size (or --max-prefill-tokens)
 
     def __post_init__(self) -> None:
+        # JSON (to_env/from_env) gives lists; keep the frozen config hashable and comparable.
+        object.__setattr__(self, "admission_thresholds", tuple(int(x) for x in self.admission_thresholds))
+        object.__setattr__(self, "admission_shares", tuple(float(x) for x in self.admission_shares))
+        if self.admission_shares and not self.admission_thresholds:
+            raise ValueError("admission shares were given without admission thresholds")
+        if self.admission_capacity_tokens < 0:
+            raise ValueError(f"admission_capacity_tokens must be >= 0 (got {self.admission_capacity_tokens})")
+        # The thresholds and shares themselves are checked where the budgets are built
+        # (sglang_k3.fleet.admission.policy_from_config; launch_server does it at start).
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
             raise ValueError(
                 f"checkpoint dtype {self.checkpoint_dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}"

@@ -141,6 +141,21 @@ def print_help() -> None:
     parser.print_help()
 
 
+def _install_fleet_info() -> None:
+    """``GET /k3_fleet_info`` and the session-key middleware on SGLang's HTTP app
+    (:mod:`sglang_k3.fleet.instance_info`)."""
+    from sglang.srt.entrypoints import http_server
+
+    from sglang_k3.fleet import instance_info
+    from sglang_k3.integration.admission import admission_of
+
+    def admission():
+        state = http_server.get_global_state()
+        return None if state is None else admission_of(state.tokenizer_manager)
+
+    instance_info.install(http_server.app, instance_info.SessionsSeen(), admission)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _given(argv, "-h", "--help"):
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.to_env()
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    _install_fleet_info()
     try:
         run_server(server_args)
     finally:

@@ -101,6 +101,14 @@ def get_server(name: str) -> Server:
     return srv
 
 
+def stop_servers_except(*keep: str) -> None:
+    """Stop every session server but ``keep``: a test module about to start several servers of
+    its own (a fleet) makes room first."""
+    for name in [n for n in _servers if n not in keep]:
+        _servers.pop(name).stop()
+        print(f"\n[server {name}] stopped to make room", file=sys.stderr)
+
+
 @pytest.fixture(scope="session")
 def server_factory():
     yield get_server

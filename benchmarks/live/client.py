@@ -23,9 +23,17 @@ class Result:
     error: Optional[str] = None
 
 
-def generate_stream(url: str, key: str, input_ids: list[int], max_new_tokens: int, timeout: float = 900.0) -> Result:
+def generate_stream(
+    url: str,
+    key: str,
+    input_ids: list[int],
+    max_new_tokens: int,
+    timeout: float = 900.0,
+    headers: Optional[dict] = None,
+) -> Result:
     """Greedy ``POST /generate`` with ``stream: true``: TTFT is the time to the first chunk that
-    carries an output token. Never raises; a failure is ``Result.error``."""
+    carries an output token. ``headers``: e.g. a router's session key. Never raises; a failure is
+    ``Result.error``."""
     res = Result(key=key)
     body = {
         "input_ids": input_ids,
@@ -34,7 +42,7 @@ def generate_stream(url: str, key: str, input_ids: list[int], max_new_tokens: in
     }
     t0 = time.perf_counter()
     try:
-        with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
+        with requests.post(url + "/generate", json=body, stream=True, timeout=timeout, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return res

@@ -190,10 +190,12 @@ def run_multiturn(
     reply_len: int,
     seed: int,
     verbose: bool = True,
+    session_header: Optional[str] = None,
 ) -> tuple[dict, dict]:
     """``conversations`` concurrent chats of ``turns`` turns. All share a ``system_len``-token system
     prompt; turn 0 adds ``first_len`` user tokens; every later turn's prompt is the previous prompt
-    + the previous reply (the server's own greedy output ids) + ``user_len`` new user tokens."""
+    + the previous reply (the server's own greedy output ids) + ``user_len`` new user tokens.
+    ``session_header``: send each chat's id (``conv<c>``) in this header (a router's session key)."""
     rng = random.Random(seed)
     system = [rng.choice(vocab) for _ in range(system_len)]
     users = []
@@ -208,7 +210,8 @@ def run_multiturn(
         prompt: list[int] = list(system)
         for t in range(turns):
             prompt = prompt + users[c][t]
-            res = generate_stream(url, f"conv{c}/turn{t}", prompt, reply_len)
+            headers = {session_header: f"conv{c}"} if session_header else None
+            res = generate_stream(url, f"conv{c}/turn{t}", prompt, reply_len, headers=headers)
             with lock:
                 results.append(res)
             progress.step(res)

@@ -148,7 +148,7 @@ class _Running:
 class K3Policy(Policy):
     name = "k3"
 
-    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         self.cfg = cfg
         self.k3 = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         if cfg.tier_park_interval:
@@ -177,7 +177,7 @@ class K3Policy(Policy):
             self.k3.checkpoint_dtype, slot_bytes, capacity, self._evict_for_checkpoint, self.ledger
         )
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
-        self.tiers = build_sim_tiers(cfg, slot_bytes)
+        self.tiers = build_sim_tiers(cfg, slot_bytes, shared_l3, self.k3.tier_write_policy)
         self.lifecycle = build_lifecycle(
             self.k3, self.store, ev, self._free_kv, unit=cfg.unit, tiers=self.tiers, alloc_kv=self._alloc_kv
         )
@@ -412,7 +412,7 @@ class K3Alpha0Policy(K3Policy):
 
     name = "k3-alpha0"
 
-    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         super().__init__(cfg, budget_bytes, dataclasses.replace(base, eviction_alpha=0.0))
 
@@ -423,6 +423,6 @@ class K3FixedPolicy(K3Policy):
 
     name = "k3-fixed"
 
-    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None):
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         super().__init__(cfg, budget_bytes, dataclasses.replace(base, unified_memory=False))

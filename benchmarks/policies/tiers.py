@@ -60,16 +60,22 @@ class ModelledStore(HostStore):
         return self.state_bytes if codec.peek(blob)[0] == codec.BOUNDARY else 0
 
 
-def build_sim_tiers(cfg, checkpoint_bytes: int) -> Optional[TierManager]:
-    """The tier manager for ``cfg``'s host and L3 budgets (None when both are 0)."""
+def build_sim_tiers(
+    cfg, checkpoint_bytes: int, shared_l3: Optional[ModelledStore] = None, write_policy: str = "write_back"
+) -> Optional[TierManager]:
+    """The tier manager for ``cfg``'s host and L3 budgets (None when both are 0). ``shared_l3``:
+    an L3 store several instances share (the fleet replay), used instead of one of their own.
+    ``write_policy``: the k3 config's ``tier_write_policy``, as the server passes it."""
     stores = []
     for name, budget in (("host", cfg.host_budget_bytes), ("l3", cfg.l3_budget_bytes)):
-        if budget and budget > 0:
+        if name == "l3" and shared_l3 is not None:
+            stores.append(shared_l3)
+        elif budget and budget > 0:
             stores.append(ModelledStore(int(budget), name, cfg.kv_bytes_per_symbol, checkpoint_bytes))
     if not stores:
         return None
     ns = Namespace(model="replay", tokenizer="replay", layout=SimTierIO.layout)
-    return TierManager(stores, ns, SimTierIO(), block=1)
+    return TierManager(stores, ns, SimTierIO(), write_policy=write_policy, block=1)
 
 
 def load_seconds(cfg, store_name: str, nbytes: float) -> float:

@@ -303,7 +303,7 @@ class CacheLifecycle:
             )
             if ck is not None:
                 handle = None
-                tiers.counters.load_tokens += plan.pos - restore
+                tiers.count_gain(plan, plan.pos - restore)
             return "done"
         except Exception:
             self.counters.tier_errors += 1

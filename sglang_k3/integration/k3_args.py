@@ -177,6 +177,38 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "instance's share of the pool, e.g. 4gb; 0 with a standalone store client), "
         "MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_DEVICE. scripts/start_mooncake_master.py starts a master.",
     )
+    g.add_argument(
+        "--k3-admission-thresholds",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="TOKENS",
+        help="Admission budgets per request class (any cache backend): prompt lengths that split "
+        "requests into classes, ascending; e.g. 2048 makes two classes, <2048 and >=2048 tokens. "
+        "Each class may hold at most its share of --k3-admission-capacity-tokens prompt tokens in "
+        "flight (admitted and not yet past prefill); the rest wait in this server, first come first "
+        "served within their class, so a burst of long prompts cannot starve short ones. Requests of "
+        "one /generate batch are not budgeted (default: none, budgets off).",
+    )
+    g.add_argument(
+        "--k3-admission-shares",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="SHARE",
+        help="With --k3-admission-thresholds: each class's share of the capacity, in (0, 1], one per "
+        "class, shortest first (default: 1.0 for the shortest class, 0.5 for each longer one). A "
+        "single prompt larger than its class's budget is admitted alone.",
+    )
+    g.add_argument(
+        "--k3-admission-capacity-tokens",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="With --k3-admission-thresholds: the instance's prefill capacity in prompt tokens that "
+        "the shares divide (default 0: SGLang's --chunked-prefill-size, or --max-prefill-tokens when "
+        "chunking is off).",
+    )
     return g
 
 
@@ -205,6 +237,17 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         )
     if ns.k3_max_checkpoints and ns.k3_min_checkpoints > ns.k3_max_checkpoints:
         raise SystemExit("--k3-min-checkpoints is above --k3-max-checkpoints")
+    if (ns.k3_admission_shares or ns.k3_admission_capacity_tokens) and not ns.k3_admission_thresholds:
+        raise SystemExit("--k3-admission-shares and --k3-admission-capacity-tokens need --k3-admission-thresholds")
+    if ns.k3_admission_capacity_tokens < 0:
+        raise SystemExit("--k3-admission-capacity-tokens must be >= 0 (0: the server's prefill chunk)")
+    if ns.k3_admission_thresholds:
+        from sglang_k3.fleet.admission import policy_from_config
+
+        try:
+            policy_from_config(ns_admission(ns), 1)
+        except ValueError as e:
+            raise SystemExit(f"--k3-admission-*: {e}") from None
     return K3Config(
         embedded_model_dir=ns.k3_embedded_model_dir,
         cpu_defaults=not ns.k3_no_cpu_defaults,
@@ -226,6 +269,18 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         tier_write_policy=ns.k3_tier_write_policy,
         mooncake=ns.k3_mooncake,
         tier_park_interval=ns.k3_tier_park_interval,
+        admission_thresholds=tuple(ns.k3_admission_thresholds),
+        admission_shares=tuple(ns.k3_admission_shares),
+        admission_capacity_tokens=ns.k3_admission_capacity_tokens,
+    )
+
+
+def ns_admission(ns: argparse.Namespace) -> K3Config:
+    """Only the admission fields of ``ns``, as a config (to check them before the rest)."""
+    return K3Config(
+        admission_thresholds=tuple(ns.k3_admission_thresholds),
+        admission_shares=tuple(ns.k3_admission_shares),
+        admission_capacity_tokens=max(0, ns.k3_admission_capacity_tokens),
     )
 
 

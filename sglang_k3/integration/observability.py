@@ -116,6 +116,8 @@ COUNTERS: dict[str, str] = {
     "tier_host_evictions": "Host tier: objects evicted, least recently used first.",
     "tier_errors": "Lower tiers: exceptions raised by a tier (logged; the device cache carried on).",
     "tier_l3_hits": "Mooncake tier: loads whose boundary came from the Mooncake store.",
+    "tier_host_hit_tokens": "Host tier: prefix tokens its loads gained over the device's own restore point.",
+    "tier_l3_hit_tokens": "Mooncake tier: prefix tokens its loads gained over the device's own restore point.",
     "tier_parked": "Lower tiers: prompt states saved straight below the device (--k3-tier-park-interval).",
     "tier_prefetches": "Lower tiers: copies into host memory started for waiting requests (best effort).",
     "tier_prefetch_bytes": "Lower tiers: bytes those copies moved up.",

@@ -126,6 +126,7 @@ class TierManager:
         self.write_policy = write_policy
         self.counters = TierCounters()
         self.hits_by_tier = {s.name: 0 for s in self.stores}
+        self.hit_tokens_by_tier = {s.name: 0 for s in self.stores}
         # Prefetch (best effort, SGLang's default storage prefetch policy): a waiting request's
         # boundary that lies in a lower tier is copied into the host tier by one background
         # thread, so its admission loads from host memory; admission never waits for it.
@@ -343,9 +344,15 @@ class TierManager:
             c.prefetch_lead_seconds += time.perf_counter() - started
         return obj.checkpoint_kind
 
+    def count_gain(self, plan: TierPlan, tokens: int) -> None:
+        """A loaded boundary became the request's restore point, ``tokens`` past the device's own."""
+        self.counters.load_tokens += tokens
+        self.hit_tokens_by_tier[plan.store.name] += tokens
+
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d.update({f"tier_{name}_hits": n for name, n in self.hits_by_tier.items()})
+        d.update({f"tier_{name}_hit_tokens": n for name, n in self.hit_tokens_by_tier.items()})
         for s in self.stores:
             d.update(s.stats())
         return d

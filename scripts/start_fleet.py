@@ -1,0 +1,154 @@
+"""Start a local fleet: a mooncake_master, N ``sglang_k3.launch_server`` instances on the embedded
+model sharing it as their L3 tier, and sglang-router in front; Ctrl-C stops everything.
+
+    python scripts/start_fleet.py --instances 3 --router-port 30000 [options] [-- launch_server flags]
+
+Send requests to the router. A request carrying the header ``X-SMG-Routing-Key: <session id>``
+goes to its session's primary instance (the router's ``consistent_hashing`` policy, the default
+here); when the primary is down, to its secondary. Every instance writes the checkpoints and MLA
+pages it computes through to the shared Mooncake store, so a session that moves still hits.
+
+Each instance admits prompts per length class (``--admission-thresholds``, default 2048: a burst
+of long prompts holds at most half of an instance's prefill capacity). While it runs, the fleet's
+status is printed every ``--status-interval`` seconds; ``python -m sglang_k3.fleet.status
+--router URL`` prints it on demand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_k3.fleet.local_fleet import DEFAULT_SEGMENT_BYTES, FleetSpec, LocalFleet  # noqa: E402
+from sglang_k3.fleet.router_process import POLICIES  # noqa: E402
+from sglang_k3.fleet.status import fleet_status, format_table  # noqa: E402
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().lower()
+    for suffix, mult in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--instances", type=int, default=2, help="number of sglang_k3 instances (default 2)")
+    ap.add_argument("--router-port", type=int, default=30000, help="the router's port (default 30000)")
+    ap.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="consistent_hashing",
+        help="the router's policy (default consistent_hashing: sessions by X-SMG-Routing-Key, a primary and "
+        "a secondary; cache_aware is the router's own default)",
+    )
+    ap.add_argument(
+        "--no-shared-l3",
+        action="store_true",
+        help="no mooncake_master: instances keep only their own device cache",
+    )
+    ap.add_argument(
+        "--segment",
+        default=f"{DEFAULT_SEGMENT_BYTES >> 20}mb",
+        help="memory each instance contributes to the Mooncake pool (default %(default)s)",
+    )
+    ap.add_argument(
+        "--admission-thresholds",
+        type=int,
+        nargs="*",
+        default=[2048],
+        metavar="TOKENS",
+        help="prompt lengths splitting requests into admission classes (default 2048; none: budgets off); "
+        "passed to every instance as --k3-admission-thresholds",
+    )
+    ap.add_argument(
+        "--admission-shares",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="SHARE",
+        help="each class's share of an instance's prefill capacity (default 1.0 for the shortest, 0.5 for "
+        "the others); --k3-admission-shares",
+    )
+    ap.add_argument("--log-dir", default=None, help="where the processes log (default: the temp directory)")
+    ap.add_argument(
+        "--status-interval",
+        type=float,
+        default=60.0,
+        help="print the fleet's status every this many seconds (default 60; 0: never)",
+    )
+    ap.add_argument("instance_args", nargs=argparse.REMAINDER, help="after --: flags for every launch_server")
+    return ap
+
+
+def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> FleetSpec:
+    if args.instances < 1:
+        ap.error("--instances must be >= 1")
+    if not (0 < args.router_port < 65536):
+        ap.error("--router-port must be a TCP port")
+    if args.status_interval < 0:
+        ap.error("--status-interval must be >= 0")
+    try:
+        seg = parse_size(args.segment)
+    except ValueError:
+        ap.error(f"--segment: not a size: {args.segment!r} (e.g. 256mb, 1gb)")
+    if seg < 16 << 20:
+        ap.error("--segment must be at least 16mb")
+    if args.admission_shares and not args.admission_thresholds:
+        ap.error("--admission-shares needs --admission-thresholds")
+    extra = list(args.instance_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    adm: list[str] = []
+    if args.admission_thresholds:
+        adm = ["--k3-admission-thresholds", *map(str, args.admission_thresholds)]
+        if args.admission_shares:
+            adm += ["--k3-admission-shares", *map(str, args.admission_shares)]
+    return FleetSpec(
+        instances=args.instances,
+        policy=args.policy,
+        router_port=args.router_port,
+        shared_l3=not args.no_shared_l3,
+        segment_bytes=seg,
+        instance_args=tuple(adm + extra),
+        log_dir=args.log_dir,
+    )
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    spec = spec_from_args(args, ap)
+    fleet = LocalFleet(spec)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs the finally below
+    try:
+        fleet.start()
+        print(f"fleet ready: send requests to {fleet.url} (header X-SMG-Routing-Key: <session id>)", flush=True)
+        print(f"status: python -m sglang_k3.fleet.status --router {fleet.url}", flush=True)
+        last = time.time()
+        while True:
+            time.sleep(1.0)
+            dead = [srv.name for srv in fleet.instances if not srv.alive()]
+            if fleet.router is None or not fleet.router.alive():
+                print("the router exited; stopping the fleet", file=sys.stderr)
+                return 1
+            if args.status_interval and time.time() - last >= args.status_interval:
+                last = time.time()
+                print(format_table(fleet_status(fleet.url)), flush=True)
+                if dead:
+                    print(f"instances down: {', '.join(dead)}", flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("stopping the fleet ...", file=sys.stderr, flush=True)
+        fleet.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Start and stop real ``sglang_k3.launch_server`` processes (the fleet launcher, the live A/B and
+the tests).
+
+A server runs in its own process group (so stopping it also stops SGLang's scheduler and detokenizer
+children), logs to a file, and is healthy once ``GET /health`` answers 200. A failed start raises
+with the tail of that log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import requests
+
+from sglang_k3.process_group import stop_group
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flush_cache(url: str, attempts: int = 30, name: str = "") -> None:
+    """``POST /flush_cache``; SGLang refuses while requests are in flight, so retry briefly."""
+    last = ""
+    for _ in range(attempts):
+        r = requests.post(url + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        last = f"{r.status_code} {r.text[:200]}"
+        time.sleep(1.0)
+    raise RuntimeError(f"{name or url}: /flush_cache kept failing: {last}")
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message holds its log tail."""
+
+
+class Server:
+    """One server process; ``url`` is its base URL once ``start()`` returned.
+
+    ``launch()`` + ``wait_healthy()`` split ``start()`` so several servers can boot at once."""
+
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        start_timeout: float = 600.0,
+        log_dir: Optional[str] = None,
+        log_prefix: str = "sglang_k3_test",
+        env: Optional[dict] = None,
+    ):
+        self.name, self.args, self.start_timeout = name, list(args), start_timeout
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{log_prefix}_{name}_{self.port}.log")
+        self.env = env
+        self.start_seconds: float | None = None
+        self._t0 = 0.0
+        self._log = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "sglang_k3.launch_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def launch(self) -> "Server":
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the server's lifetime)
+        self._t0 = time.time()
+        env = None if self.env is None else {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        return self
+
+    def wait_healthy(self) -> "Server":
+        while time.time() - self._t0 < self.start_timeout:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise ServerStartError(
+                    f"server {self.name} exited with {code} (log {self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    self.start_seconds = time.time() - self._t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(
+            f"server {self.name} not healthy in {self.start_timeout}s (log {self.log_path}):\n{self.log_tail()}"
+        )
+
+    def start(self) -> "Server":
+        return self.launch().wait_healthy()
+
+    def log_tail(self, n: int = 60, width: int = 400) -> str:
+        """The last ``n`` lines of the log, each cut to ``width`` characters (SGLang logs all its
+        server args on one very long line)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = f.readlines()[-n:]
+            return "".join(ln if len(ln) <= width else ln[:width] + " ...\n" for ln in lines)
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        stop_group(self.proc, term_timeout=30)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # --- requests -------------------------------------------------------------------------
+    def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        body = {"input_ids": input_ids, "sampling_params": params}
+        body.update(extra)
+        r = requests.post(self.url + "/generate", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def flush_cache(self, attempts: int = 30) -> None:
+        flush_cache(self.url, attempts, name=f"server {self.name}")

@@ -1,0 +1,131 @@
+"""Start and stop a real sglang-router (``python -m sglang_k3.fleet.launch_router``) in front of
+running instances.
+
+``FAILOVER_ARGS`` are the router settings a fleet of sessions needs, each one the router's own
+flag (sglang-router 0.3.2 defaults in brackets):
+
+- ``--health-check-interval-secs 2 --health-failure-threshold 2`` [60, 3]: a dead worker (its
+  port refuses connections) is marked unhealthy in about 4 s instead of about 3 minutes. Until
+  then, ``consistent_hashing`` keeps sending its keys there: the ring skips only unavailable
+  workers.
+- ``--health-check-timeout-secs 25`` [5]: SGLang's ``/health`` generates one token and waits up to
+  20 s (``SGLANG_HEALTH_CHECK_TIMEOUT``) for the scheduler to answer; a busy CPU instance takes
+  more than 5 s, and with the default the router marked live instances unhealthy and moved their
+  sessions (seen in this repository's fleet test).
+- ``--retry-max-retries 8 --retry-initial-backoff-ms 200 --retry-backoff-multiplier 2
+  --retry-max-backoff-ms 3000`` [5, 50, 1.5, 30000]: a request that hits the dead worker (a
+  connection error is a retryable 500) is retried for about 12 s, past that detection, and each
+  retry selects the worker again, so it lands on the key's secondary. With the defaults the
+  retries are spent in about 0.4 s, before the worker is known to be down.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import requests
+
+from sglang_k3.fleet.instance import free_port
+from sglang_k3.process_group import stop_group
+
+FAILOVER_ARGS: tuple[str, ...] = (
+    "--health-check-interval-secs", "2",
+    "--health-failure-threshold", "2",
+    "--health-check-timeout-secs", "25",
+    "--retry-max-retries", "8",
+    "--retry-initial-backoff-ms", "200",
+    "--retry-backoff-multiplier", "2",
+    "--retry-max-backoff-ms", "3000",
+)  # fmt: skip
+POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "power_of_two", "random", "manual")
+
+
+class RouterStartError(RuntimeError):
+    """The router exited or did not see every worker healthy in time; the message holds its log tail."""
+
+
+class RouterProcess:
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        policy: str = "cache_aware",
+        port: Optional[int] = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        failover: bool = True,
+        log_dir: Optional[str] = None,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.worker_urls, self.policy, self.host = list(worker_urls), policy, host
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.extra_args = list(extra_args) + (list(FAILOVER_ARGS) if failover else [])
+        self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"sglang_k3_router_{self.port}.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_k3.fleet.launch_router",
+            "--host", self.host, "--port", str(self.port),
+            "--worker-urls", *self.worker_urls,
+            "--policy", self.policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--log-level", "warn",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 120.0) -> "RouterProcess":
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the router's lifetime)
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.stop()
+                raise RouterStartError(f"router exited with {code} (log {self.log_path}):\n{self.log_tail()}")
+            try:
+                ws = self.workers()
+                if len(ws) == len(self.worker_urls) and all(w.get("is_healthy") for w in ws):
+                    return self
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RouterStartError(f"router not ready in {timeout}s (log {self.log_path}):\n{self.log_tail()}")
+
+    def workers(self) -> list[dict]:
+        """The router's own view (``GET /workers``): url, is_healthy, load (its in-flight count)."""
+        r = requests.get(self.url + "/workers", timeout=10)
+        r.raise_for_status()
+        return r.json().get("workers", [])
+
+    def healthy_urls(self) -> set[str]:
+        return {w["url"] for w in self.workers() if w.get("is_healthy")}
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        stop_group(self.proc, term_timeout=20)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
