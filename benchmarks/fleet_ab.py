@@ -5,6 +5,7 @@ The same multi-turn workload (each chat's id in ``X-SMG-Routing-Key``) runs on:
 * ``single``: one ``sglang_k3.launch_server`` with the per-instance device budget;
 * ``single_big``: one instance with ``--instances`` x that budget (KV tokens, state slots, running
   requests): the fleet's memory in one place, the reference the fleet is compared with;
+  ``single_big+L3``: the same with a Mooncake L3 of its own (the reference of the fleets with L3);
 * a fleet of ``--instances`` instances with that budget each, as ``scripts/start_fleet.py`` ships
   it (``LocalFleet``: a real ``mooncake_master``, write-through to the shared L3, admission budgets
   at 2048 tokens), behind a real sglang-router with each of ``--routings``;
@@ -14,9 +15,12 @@ Between two routings the instances' device caches are flushed and the Mooncake p
 every run starts cold. Reports per run the token hit rate, prefill tokens, TTFT p50/p90, output
 tokens/s (all instances share this machine's cores: the fleet's throughput is not 3x here), the
 prefix tokens restored from the shared L3, and each instance's share of requests; its fraction of
-``single_big``'s hit rate, and of the best routing's with the same L3 setting. Greedy tokens are
-compared with ``single_big``'s (int8 checkpoints, as shipped: a restore at another boundary may
-flip a near-tie; mismatches are counted). Writes OUT/results.json and OUT/fleet_ab.png.
+the big instance's hit rate with the same L3 setting, and of the best routing's. Each fleet ends
+with a failover probe (:func:`failover_probe`): an instance is stopped mid-conversation, and the
+spread of its sessions over the survivors, their hit rate and any failed request are recorded.
+Greedy tokens are compared with ``single_big``'s (int8 checkpoints, as shipped: a restore at
+another boundary may flip a near-tie; mismatches are counted). Writes OUT/results.json and
+OUT/fleet_ab.png.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from benchmarks.live import workloads as wl  # noqa: E402
 from benchmarks.live_ab import git_info, machine_info  # noqa: E402
 from sglang_k3.fleet.instance import Server, ServerStartError, flush_cache  # noqa: E402
 from sglang_k3.fleet.instance_info import ROUTING_KEY_HEADER  # noqa: E402
-from sglang_k3.fleet.local_fleet import FleetSpec, LocalFleet  # noqa: E402
+from sglang_k3.fleet.local_fleet import SHARED_L3_ARGS, FleetSpec, LocalFleet  # noqa: E402
 from sglang_k3.fleet.router_process import RouterStartError  # noqa: E402
+from sglang_k3.tiers.mooncake_master import MooncakeMaster  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "fleet_ab")
 ROUTINGS = ("round_robin", "cache_aware", "consistent_hashing")
@@ -60,7 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="extra flags for every server, one shell-quoted string")
     p.add_argument("--routings", default=",".join(ROUTINGS), help="comma-separated router policies (default: all)")
     p.add_argument("--no-l3-runs", action="store_true", help="skip the fleet without the shared L3")
-    p.add_argument("--segment-mib", type=int, default=512, help="each instance's Mooncake segment, MiB")
+    p.add_argument("--store-mib", type=int, default=1024, help="the fleet's Mooncake pool (a store client), MiB")
+    p.add_argument("--segment-mib", type=int, default=512, help="single_big+L3's own Mooncake segment, MiB")
+    p.add_argument(
+        "--failover-sessions",
+        type=int,
+        default=24,
+        help="sessions of the failover probe at the end of each fleet (an instance is stopped; 0: skip)",
+    )
     wl.add_multiturn_args(p, conversations=12, turns=4, first_len=512, user_len=128, reply_len=32)
     p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="server logs (default: the temp directory)")
@@ -78,7 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--routings: unknown {bad}; choose from {', '.join(ROUTINGS)}")
     if args.instances < 2:
         p.error("--instances must be >= 2")
-    for name in ("kv_tokens", "state_slots", "running", "segment_mib"):
+    if args.failover_sessions < 0:
+        p.error("--failover-sessions must be >= 0")
+    for name in ("kv_tokens", "state_slots", "running", "segment_mib", "store_mib"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -122,6 +136,62 @@ def run_workload(url: str, label: str, vocab, args, instance_urls: list[str]) ->
     return run, outs
 
 
+def failover_probe(fleet: LocalFleet, vocab, args) -> dict:
+    """``--failover-sessions`` chats of two turns under ``consistent_hashing``: turn 1 on the
+    healthy fleet; then the instance holding the most of them is stopped; turn 2 of every chat.
+    Measures where the dead instance's sessions went (the re-prefill's spread), how much of their
+    turn-2 prompts still hit (restored from the shared L3, if any), and failures (must be none)."""
+    import random
+
+    from benchmarks.live.client import generate_stream
+
+    fleet.start_router("consistent_hashing")
+    rng = random.Random(args.seed + 77)
+    hdr = ROUTING_KEY_HEADER
+    convs = {f"fo{i}": [rng.choice(vocab) for _ in range(rng.randint(200, 400))] for i in range(args.failover_sessions)}
+    failed = 0
+    for key, ids in convs.items():
+        r = generate_stream(fleet.url, key, ids, args.reply_len, headers={hdr: key})
+        failed += r.error is not None
+        convs[key] = ids + r.output_ids + [rng.choice(vocab) for _ in range(64)]
+
+    def owners() -> dict[str, set]:
+        out = {}
+        for srv in fleet.instances:
+            if srv.alive():
+                info = requests.get(srv.url + "/k3_fleet_info", params={"list_keys": True}, timeout=60).json()
+                out[srv.url] = set(info["session_keys"])
+        return out
+
+    before = owners()
+    home = {k: next(u for u, keys in before.items() if k in keys) for k in convs}
+    victim = max(before, key=lambda u: sum(1 for k in convs if home[k] == u))
+    moved = [k for k in convs if home[k] == victim]
+    next(s for s in fleet.instances if s.url == victim).stop()
+    t0 = time.perf_counter()
+    prompt = cached = 0
+    for key, ids in convs.items():
+        r = generate_stream(fleet.url, key, ids, args.reply_len, headers={hdr: key})
+        failed += r.error is not None
+        if key in moved and r.error is None:
+            prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
+    after = owners()
+    landed: dict[str, int] = {}
+    for k in moved:
+        for u, keys in after.items():
+            if k in keys:
+                landed[u] = landed.get(u, 0) + 1
+    return {
+        "sessions": len(convs),
+        "killed_instance_sessions": len(moved),
+        "moved_to": sorted(landed.values(), reverse=True),
+        "survivors": len(after),
+        "moved_sessions_hit_rate": cached / prompt if prompt else None,
+        "failed_requests": failed,
+        "second_turn_seconds": time.perf_counter() - t0,
+    }
+
+
 def plot(runs: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -143,12 +213,12 @@ def plot(runs: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _fleet_runs(args, vocab, shared_l3: bool, base: list[str], runs: dict, outputs: dict) -> None:
+def _fleet_runs(args, vocab, shared_l3: bool, base: list[str], runs: dict, outputs: dict, failover: dict) -> None:
     spec = FleetSpec(
         instances=args.instances,
         policy=args.routings[0],
         shared_l3=shared_l3,
-        segment_bytes=args.segment_mib << 20,
+        store_segment_bytes=args.store_mib << 20,
         instance_args=tuple(SHIPPED_FLEET_ARGS) + tuple(base),
         log_dir=args.log_dir,
     )
@@ -171,10 +241,17 @@ def _fleet_runs(args, vocab, shared_l3: bool, base: list[str], runs: dict, outpu
                 flush_cache(u)
             if fleet.master is not None:
                 fleet.master.clear()
+        if args.failover_sessions:
+            key = "shared_l3" if shared_l3 else "no_l3"
+            failover[key] = fo = failover_probe(fleet, vocab, args)
+            print(f"failover ({key}): {fo}", flush=True)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers it started on the way out
     os.makedirs(args.out, exist_ok=True)
     from sglang_k3.model.tiny_build import default_model_path
 
@@ -184,29 +261,39 @@ def main(argv=None) -> int:
     log_dir = args.log_dir or tempfile.gettempdir()
     runs: dict[str, dict] = {}
     outputs: dict[str, dict] = {}
+    failover: dict[str, dict] = {}
     try:
-        for name, scale in (("single", 1), ("single_big", args.instances)):
-            srv = Server(name, device_args(args, scale) + extra, log_dir=log_dir, log_prefix="fleet_ab").start()
+        for name, scale, l3 in (
+            ("single", 1, False),
+            ("single_big", args.instances, False),
+            ("single_big+L3", args.instances, True),
+        ):
+            master = MooncakeMaster().start() if l3 else None
+            env = master.client_env(args.segment_mib << 20) if master else None
+            flags = device_args(args, scale) + extra + (list(SHARED_L3_ARGS) if l3 else [])
+            srv = Server(name, flags, log_dir=log_dir, log_prefix="fleet_ab", env=env).start()
             try:
                 run, outs = run_workload(srv.url, name, vocab, args, [srv.url])
             finally:
                 srv.stop()
+                if master is not None:
+                    master.stop()
             run["command"] = " ".join(srv.command)
             runs[name], outputs[name] = run, outs
             m = run["metrics"]
             print(f"{name}: hit {m['hit_rate']:.3f}, TTFT p50 {m['ttft_p50_s']:.2f}s", flush=True)
         base = device_args(args) + extra
-        _fleet_runs(args, vocab, True, base, runs, outputs)
+        _fleet_runs(args, vocab, True, base, runs, outputs, failover)
         if not args.no_l3_runs:
-            _fleet_runs(args, vocab, False, base, runs, outputs)
+            _fleet_runs(args, vocab, False, base, runs, outputs, failover)
     except (ServerStartError, RouterStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    big = runs["single_big"]["metrics"]["hit_rate"] or 0.0
-    for run in runs.values():
-        run["single_big_fraction"] = (run["metrics"]["hit_rate"] or 0.0) / big if big else None
+    for name, run in runs.items():  # against one big instance with the same L3 setting
+        ref = runs["single_big+L3" if name.endswith("+L3") else "single_big"]["metrics"]["hit_rate"] or 0.0
+        run["single_big_fraction"] = (run["metrics"]["hit_rate"] or 0.0) / ref if ref else None
     for l3 in (True, False):
-        group = [n for n in runs if not n.startswith("single") and n.endswith("+L3") == l3]
+        group = [n for n in runs if not n.startswith("single") and n.endswith("+L3") == l3]  # the fleets
         best = max(((runs[n]["metrics"]["hit_rate"] or 0.0) for n in group), default=0.0)
         for n in group:
             runs[n]["best_routing_fraction"] = (runs[n]["metrics"]["hit_rate"] or 0.0) / best if best else None
@@ -215,7 +302,7 @@ def main(argv=None) -> int:
     for n, outs in outputs.items():
         keys = set(ref) & set(outs)
         greedy[n] = {"compared": len(keys), "mismatches": sum(ref[k] != outs[k] for k in keys)}
-    errors = sum(r["metrics"]["errors"] for r in runs.values())
+    errors = sum(r["metrics"]["errors"] for r in runs.values()) + sum(f["failed_requests"] for f in failover.values())
     with_l3 = [runs[n]["best_routing_fraction"] for n in runs if n.endswith("+L3")]
     result = {
         "schema": SCHEMA,
@@ -227,6 +314,7 @@ def main(argv=None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir", "quiet")},
         "runs": runs,
         "greedy_vs_single_big": greedy,
+        "failover": failover,
         "target": {
             "every_routing_with_l3_at_least_of_best": TARGET_FRACTION,
             "worst": min(with_l3) if with_l3 else None,

@@ -6,7 +6,9 @@ model sharing it as their L3 tier, and sglang-router in front; Ctrl-C stops ever
 Send requests to the router. A request carrying the header ``X-SMG-Routing-Key: <session id>``
 goes to its session's primary instance (the router's ``consistent_hashing`` policy, the default
 here); when the primary is down, to its secondary. Every instance writes the checkpoints and MLA
-pages it computes through to the shared Mooncake store, so a session that moves still hits.
+pages it computes through to the shared Mooncake store, held by a standalone store client
+(``--store-segment``), so a session that moves still hits, even when it moved because its instance
+died.
 
 Each instance admits prompts per length class (``--admission-thresholds``, default 2048: a burst
 of long prompts holds at most half of an instance's prefill capacity). While it runs, the fleet's
@@ -24,17 +26,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_k3.fleet.local_fleet import DEFAULT_SEGMENT_BYTES, FleetSpec, LocalFleet  # noqa: E402
+from sglang_k3.fleet.local_fleet import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_BYTES, FleetSpec, LocalFleet  # noqa: E402
 from sglang_k3.fleet.router_process import POLICIES  # noqa: E402
 from sglang_k3.fleet.status import fleet_status, format_table  # noqa: E402
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().lower()
-    for suffix, mult in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(s)
+from sglang_k3.tiers.mooncake_master import parse_size  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="no mooncake_master: instances keep only their own device cache",
     )
     ap.add_argument(
+        "--store-segment",
+        default=f"{DEFAULT_STORE_BYTES >> 20}mb",
+        help="the Mooncake pool, held by a standalone store client so states outlive the instances that "
+        "wrote them (default %(default)s; 0: the instances hold the pool, --segment each)",
+    )
+    ap.add_argument(
         "--segment",
         default=f"{DEFAULT_SEGMENT_BYTES >> 20}mb",
-        help="memory each instance contributes to the Mooncake pool (default %(default)s)",
+        help="with --store-segment 0: memory each instance contributes to the pool (default %(default)s)",
     )
     ap.add_argument(
         "--admission-thresholds",
@@ -100,6 +101,12 @@ def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Fle
         ap.error(f"--segment: not a size: {args.segment!r} (e.g. 256mb, 1gb)")
     if seg < 16 << 20:
         ap.error("--segment must be at least 16mb")
+    try:
+        store = parse_size(args.store_segment)
+    except ValueError:
+        ap.error(f"--store-segment: not a size: {args.store_segment!r} (e.g. 1gb, 0)")
+    if store and store < 16 << 20:
+        ap.error("--store-segment must be 0 or at least 16mb")
     if args.admission_shares and not args.admission_thresholds:
         ap.error("--admission-shares needs --admission-thresholds")
     extra = list(args.instance_args)
@@ -116,6 +123,7 @@ def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Fle
         router_port=args.router_port,
         shared_l3=not args.no_shared_l3,
         segment_bytes=seg,
+        store_segment_bytes=store,
         instance_args=tuple(adm + extra),
         log_dir=args.log_dir,
     )

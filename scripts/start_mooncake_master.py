@@ -19,15 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_k3.tiers.mooncake_master import MooncakeMaster  # noqa: E402
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().lower()
-    for suffix, mult in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(s)
+from sglang_k3.tiers.mooncake_master import MooncakeMaster, parse_size  # noqa: E402
 
 
 def main(argv=None) -> int:

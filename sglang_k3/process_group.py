@@ -1,13 +1,14 @@
 """Stopping a child started with ``start_new_session=True`` together with everything it started
 (SGLang's scheduler and detokenizer processes, a master's threads): SIGTERM to its process group,
-SIGKILL if it is not gone in time. Used by the test and benchmark servers and the Mooncake master
-helper, so none of them leaves orphans."""
+SIGKILL if it is not gone in time. Used by the fleet's server and router handles
+(:class:`GroupProcess`) and the Mooncake master helper, so none of them leaves orphans."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+from typing import Optional
 
 
 def stop_group(proc: subprocess.Popen, term_timeout: float = 30.0, kill: bool = False) -> None:
@@ -20,3 +21,44 @@ def stop_group(proc: subprocess.Popen, term_timeout: float = 30.0, kill: bool = 
             proc.wait(timeout=10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+
+
+class GroupProcess:
+    """A child in its own process group that logs to ``log_path``: the part the fleet's server
+    and router handles share. Subclasses set ``log_path`` and call :meth:`spawn`."""
+
+    log_path: str
+    proc: Optional[subprocess.Popen] = None
+    _log = None
+    term_timeout: float = 30.0
+
+    def spawn(self, command: list[str], env: Optional[dict] = None) -> subprocess.Popen:
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the process's lifetime)
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        return self.proc
+
+    def log_tail(self, n: int = 60, width: int = 400) -> str:
+        """The last ``n`` lines of the log, each cut to ``width`` characters (SGLang logs all its
+        server args on one very long line)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = f.readlines()[-n:]
+            return "".join(ln if len(ln) <= width else ln[:width] + " ...\n" for ln in lines)
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Stop the whole process group (SIGTERM, then SIGKILL); idempotent."""
+        if self.proc is None:
+            return
+        stop_group(self.proc, term_timeout=self.term_timeout)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None

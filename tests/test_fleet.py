@@ -1,6 +1,7 @@
-"""A real fleet: a real ``mooncake_master``, three real ``sglang_k3.launch_server`` instances on
-the embedded model (fp32 checkpoints, so greedy tokens must equal the cache-off server's exactly)
-and a real sglang-router in front (``LocalFleet``, what ``scripts/start_fleet.py`` starts).
+"""A real fleet: a real ``mooncake_master`` with a store client holding the pool, three real
+``sglang_k3.launch_server`` instances on the embedded model (fp32 checkpoints, so greedy tokens
+must equal the cache-off server's exactly) and a real sglang-router in front (``LocalFleet``, what
+``scripts/start_fleet.py`` starts).
 
 Which instance served a request is read from the instances themselves: each one lists the session
 keys (``X-SMG-Routing-Key``) it was sent (``GET /k3_fleet_info?list_keys=true``).
@@ -172,9 +173,12 @@ def test_a_killed_instance_s_sessions_continue_on_their_secondaries(fleet):
     victim = next(s for s in f.instances if s.url == victim_url)
     moved = [k for k, u in before.items() if u == victim_url]
     victim.stop()
+    moved_cached = 0
     for key, ids in convs.items():
         out = _send(f.url, ids, key)
         assert out["output_ids"] == plain.generate(ids, NEW)["output_ids"], key
+        if key in moved:
+            moved_cached += out["meta_info"]["cached_tokens"]
     after = _keys_by_instance(f)
     landed = Counter(next(u for u, keys in after.items() if k in keys) for k in moved)
     stayed = [k for k, u in before.items() if u != victim_url and k not in after[u]]
@@ -183,3 +187,5 @@ def test_a_killed_instance_s_sessions_continue_on_their_secondaries(fleet):
     assert victim_url not in landed
     assert not stayed, stayed  # the other sessions kept their primary
     assert len(landed) == 2, landed  # the re-prefill spread over both survivors
+    # the pool is held by a store client, not the victim: the moved sessions restore their first turn
+    assert moved_cached >= 64 * len(moved), moved_cached

@@ -257,6 +257,7 @@ def test_the_router_launcher_offers_consistent_hashing():
         (["--segment", "1mb"], "at least 16mb"),
         (["--admission-thresholds", "--admission-shares", "1", "0.5"], "needs --admission-thresholds"),
         (["--router-port", "70000"], "TCP port"),
+        (["--store-segment", "1mb"], "0 or at least 16mb"),
     ],
 )
 def test_start_fleet_refuses_bad_arguments(argv, match, capsys):
@@ -276,6 +277,8 @@ def test_start_fleet_builds_the_instances_flags():
         ap.parse_args(["--instances", "3", "--segment", "64mb", "--", "--k3-checkpoint-dtype", "fp32"]), ap
     )
     assert spec.instances == 3 and spec.segment_bytes == 64 << 20 and spec.shared_l3
+    assert spec.store_segment_bytes == 1 << 30
     assert spec.instance_args == ("--k3-admission-thresholds", "2048", "--k3-checkpoint-dtype", "fp32")
+    assert start_fleet.spec_from_args(ap.parse_args(["--store-segment", "0"]), ap).store_segment_bytes == 0
     spec = start_fleet.spec_from_args(ap.parse_args(["--admission-thresholds", "--no-shared-l3"]), ap)
     assert spec.instance_args == () and not spec.shared_l3

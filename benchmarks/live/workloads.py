@@ -220,8 +220,13 @@ def run_multiturn(
             prompt = prompt + res.output_ids
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(conversations) as ex:
+    ex = ThreadPoolExecutor(conversations)
+    try:
         list(ex.map(chat, range(conversations)))
+    finally:
+        # On Ctrl-C do not wait here for chats still in a request: the caller's cleanup (stopping
+        # the servers) must run first, and it is what ends those requests.
+        ex.shutdown(wait=False, cancel_futures=True)
     duration = time.perf_counter() - t0
     return summarize_results(results, duration), {r.key: r.output_ids for r in results if r.error is None}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,7 +17,7 @@ from typing import Optional
 
 import requests
 
-from sglang_k3.process_group import stop_group
+from sglang_k3.process_group import GroupProcess
 
 
 def free_port() -> int:
@@ -43,7 +42,7 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message holds its log tail."""
 
 
-class Server:
+class Server(GroupProcess):
     """One server process; ``url`` is its base URL once ``start()`` returned.
 
     ``launch()`` + ``wait_healthy()`` split ``start()`` so several servers can boot at once."""
@@ -60,12 +59,10 @@ class Server:
         self.name, self.args, self.start_timeout = name, list(args), start_timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{log_prefix}_{name}_{self.port}.log")
         self.env = env
         self.start_seconds: float | None = None
         self._t0 = 0.0
-        self._log = None
 
     @property
     def command(self) -> list[str]:
@@ -81,13 +78,8 @@ class Server:
         ]
 
     def launch(self) -> "Server":
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the server's lifetime)
         self._t0 = time.time()
-        env = None if self.env is None else {**os.environ, **self.env}
-        self.proc = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+        self.spawn(self.command, env=None if self.env is None else {**os.environ, **self.env})
         return self
 
     def wait_healthy(self) -> "Server":
@@ -112,28 +104,6 @@ class Server:
 
     def start(self) -> "Server":
         return self.launch().wait_healthy()
-
-    def log_tail(self, n: int = 60, width: int = 400) -> str:
-        """The last ``n`` lines of the log, each cut to ``width`` characters (SGLang logs all its
-        server args on one very long line)."""
-        try:
-            with open(self.log_path, errors="replace") as f:
-                lines = f.readlines()[-n:]
-            return "".join(ln if len(ln) <= width else ln[:width] + " ...\n" for ln in lines)
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_group(self.proc, term_timeout=30)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     # --- requests -------------------------------------------------------------------------
     def generate(self, input_ids: list[int], max_new_tokens: int, **extra) -> dict:

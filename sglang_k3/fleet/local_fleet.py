@@ -2,13 +2,16 @@
 their L3 tier, and sglang-router in front. ``scripts/start_fleet.py``, the fleet tests and the
 fleet benchmark all start it through :class:`LocalFleet`.
 
+By default the pool's memory is held by a standalone store client (``tiers/store_holder.py``), so a
+state outlives the instance that wrote it; with ``store_segment_bytes=0`` the instances hold it.
 Every process runs in its own process group and :meth:`LocalFleet.stop` stops them in reverse
-order (router, instances, master), so nothing is left behind.
+order (router, instances, store holder, master), so nothing is left behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Callable, Optional
 
@@ -19,7 +22,18 @@ from sglang_k3.fleet.router_process import RouterProcess
 # write_through, so a boundary one instance stores is in Mooncake at once and another instance
 # restores it on its next request (not only after the first one evicts it).
 SHARED_L3_ARGS = ("--k3-mooncake", "--k3-tier-write-policy", "write_through")
-DEFAULT_SEGMENT_BYTES = 256 << 20  # each instance's share of the Mooncake pool
+DEFAULT_SEGMENT_BYTES = 256 << 20  # each instance's share of the Mooncake pool (store_segment_bytes=0)
+DEFAULT_STORE_BYTES = 1 << 30  # the pool, held by a standalone store client (tiers/store_holder.py)
+
+
+def cpu_threads_env(instances: int) -> dict[str, str]:
+    """Split this machine's cores between the instances (``OMP_NUM_THREADS``), unless the user
+    set it. Every instance's scheduler otherwise runs one OpenMP thread per core, and on a CPU
+    fleet of 3 instances on 2 cores their spinning threads cut decode to about a tenth of a fair
+    share (measured in benchmarks/fleet_ab.py: 1.2 output tokens/s per instance)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // instances))}
 
 
 @dataclasses.dataclass
@@ -28,6 +42,10 @@ class FleetSpec:
     policy: str = "consistent_hashing"
     router_port: Optional[int] = None
     shared_l3: bool = True
+    # The pool's memory: a standalone store client holding this much (objects outlive the
+    # instances, as on a production pool of memory servers); 0: each instance contributes
+    # segment_bytes instead (an instance that dies takes its objects with it).
+    store_segment_bytes: int = DEFAULT_STORE_BYTES
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     instance_args: tuple[str, ...] = ()  # every instance's launch_server flags
     router_args: tuple[str, ...] = ()  # extra router flags
@@ -38,6 +56,8 @@ class FleetSpec:
             raise ValueError(f"a fleet needs at least 1 instance (got {self.instances})")
         if self.segment_bytes < 16 << 20:
             raise ValueError("each instance's Mooncake segment must be at least 16 MiB")
+        if self.store_segment_bytes and self.store_segment_bytes < 16 << 20:
+            raise ValueError("the store holder's segment must be at least 16 MiB (0: the instances hold the pool)")
 
 
 def _say(msg: str) -> None:
@@ -48,6 +68,7 @@ class LocalFleet:
     def __init__(self, spec: FleetSpec, progress: Callable[[str], None] = _say):
         self.spec, self.progress = spec, progress
         self.master = None
+        self.holder = None
         self.instances: list[Server] = []
         self.router: Optional[RouterProcess] = None
 
@@ -66,17 +87,23 @@ class LocalFleet:
         return self
 
     def _start(self) -> None:
-        s, env = self.spec, None
+        s = self.spec
+        env = cpu_threads_env(s.instances)
         args = list(s.instance_args)
         if s.shared_l3:
             from sglang_k3.tiers.mooncake_master import MooncakeMaster
 
             self.master = MooncakeMaster(log_path=None).start()
-            env = self.master.client_env(s.segment_bytes)
-            args = list(SHARED_L3_ARGS) + args
             self.progress(f"fleet: mooncake_master on {self.master.master_address}")
+            if s.store_segment_bytes:
+                from sglang_k3.tiers.store_holder import StoreHolderProcess
+
+                self.holder = StoreHolderProcess(self.master, s.store_segment_bytes, s.log_dir).start()
+                self.progress(f"fleet: a store client holds the pool ({s.store_segment_bytes >> 20} MiB)")
+            env.update(self.master.client_env(0 if s.store_segment_bytes else s.segment_bytes))
+            args = list(SHARED_L3_ARGS) + args
         self.instances = [
-            Server(f"fleet{i}", args, env=env, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
+            Server(f"fleet{i}", args, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
             for i in range(s.instances)
         ]
         for srv in self.instances:
@@ -104,6 +131,9 @@ class LocalFleet:
             self.router = None
         for srv in self.instances:
             srv.stop()
+        if self.holder is not None:
+            self.holder.stop()
+            self.holder = None
         if self.master is not None:
             self.master.stop()
             self.master = None

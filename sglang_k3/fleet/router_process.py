@@ -22,7 +22,6 @@ flag (sglang-router 0.3.2 defaults in brackets):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Optional, Sequence
 import requests
 
 from sglang_k3.fleet.instance import free_port
-from sglang_k3.process_group import stop_group
+from sglang_k3.process_group import GroupProcess
 
 FAILOVER_ARGS: tuple[str, ...] = (
     "--health-check-interval-secs", "2",
@@ -49,7 +48,9 @@ class RouterStartError(RuntimeError):
     """The router exited or did not see every worker healthy in time; the message holds its log tail."""
 
 
-class RouterProcess:
+class RouterProcess(GroupProcess):
+    term_timeout = 20.0
+
     def __init__(
         self,
         worker_urls: Sequence[str],
@@ -67,8 +68,6 @@ class RouterProcess:
         self.url = f"http://{host}:{self.port}"
         self.extra_args = list(extra_args) + (list(FAILOVER_ARGS) if failover else [])
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"sglang_k3_router_{self.port}.log")
-        self.proc: Optional[subprocess.Popen] = None
-        self._log = None
 
     @property
     def command(self) -> list[str]:
@@ -83,9 +82,7 @@ class RouterProcess:
         ]  # fmt: skip
 
     def start(self, timeout: float = 120.0) -> "RouterProcess":
-        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (held open for the router's lifetime)
-        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.spawn(self.command)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -110,22 +107,3 @@ class RouterProcess:
 
     def healthy_urls(self) -> set[str]:
         return {w["url"] for w in self.workers() if w.get("is_healthy")}
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_group(self.proc, term_timeout=20)
-        self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None

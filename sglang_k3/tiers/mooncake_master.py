@@ -20,6 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_size(s: str) -> int:
+    """A size as the scripts take it: ``4gb``, ``512mb``, ``64kb``, ``100b`` or plain bytes.
+    Raises ``ValueError`` for anything else."""
+    s = s.strip().lower()
+    for suffix, mult in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("b", 1)):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(s)
+
+
 class MooncakeMaster:
     def __init__(
         self,
