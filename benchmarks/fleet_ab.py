@@ -192,6 +192,12 @@ def failover_probe(fleet: LocalFleet, vocab, args) -> dict:
     }
 
 
+def save_partial(args, runs: dict) -> None:
+    """The runs so far (``partial.json``), so a late failure loses no measurement."""
+    with open(os.path.join(args.out, "partial.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+
+
 def plot(runs: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -231,6 +237,7 @@ def _fleet_runs(args, vocab, shared_l3: bool, base: list[str], runs: dict, outpu
             run, outs = run_workload(fleet.url, name, vocab, args, urls)
             run["command"] = " ".join(fleet.router.command)
             runs[name], outputs[name] = run, outs
+            save_partial(args, runs)
             m = run["metrics"]
             print(
                 f"{name}: hit {m['hit_rate']:.3f}, prefill {m['prefill_tokens']}, TTFT p50 {m['ttft_p50_s']:.2f}s, "
@@ -280,6 +287,7 @@ def main(argv=None) -> int:
                     master.stop()
             run["command"] = " ".join(srv.command)
             runs[name], outputs[name] = run, outs
+            save_partial(args, runs)
             m = run["metrics"]
             print(f"{name}: hit {m['hit_rate']:.3f}, TTFT p50 {m['ttft_p50_s']:.2f}s", flush=True)
         base = device_args(args) + extra
@@ -303,7 +311,7 @@ def main(argv=None) -> int:
         keys = set(ref) & set(outs)
         greedy[n] = {"compared": len(keys), "mismatches": sum(ref[k] != outs[k] for k in keys)}
     errors = sum(r["metrics"]["errors"] for r in runs.values()) + sum(f["failed_requests"] for f in failover.values())
-    with_l3 = [runs[n]["best_routing_fraction"] for n in runs if n.endswith("+L3")]
+    with_l3 = [runs[n]["best_routing_fraction"] for n in runs if n.endswith("+L3") and not n.startswith("single")]
     result = {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -324,6 +332,8 @@ def main(argv=None) -> int:
     }
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if os.path.exists(os.path.join(args.out, "partial.json")):
+        os.remove(os.path.join(args.out, "partial.json"))
     title = (
         f"k3 fleet on CPU: {args.instances} x ({args.kv_tokens} KV tokens, {args.state_slots} states) vs one of "
         f"{args.instances}x; {args.conversations} chats x {args.turns} turns"

@@ -211,3 +211,32 @@ def test_prefetch_copies_a_lower_tiers_boundary_up_to_host_memory():
     assert mgr.hits_by_tier == {"host": 1, "l3": 0}
     assert mgr.counters.prefetch_hits == 1 and mgr.counters.prefetch_lead_seconds > 0
     assert not TierManager([l3], NS, p.io).prefetch(q, 0, 299, 0)  # no host tier above: no prefetch
+
+
+def test_a_tier_load_never_takes_memory_promised_to_other_requests():
+    """SGLang matches the waiting requests one at a time while it fills a prefill batch and
+    allocates their KV after; a tier load at a later request's match must fit in what is left
+    (``tier_room``), or it is skipped and counted, never taken from the batch (regression: a
+    single server with Mooncake died with "Out of memory" at ``alloc_for_extend``)."""
+    from array import array
+
+    from benchmarks.policies import SimConfig
+    from benchmarks.policies.k3 import K3Policy
+    from benchmarks.trace.mooncake import SymbolicTrace
+    from sglang_k3.cache import preset
+    from sglang_k3.config import K3Config
+
+    cfg = SimConfig(cost=preset("tiny"), host_budget_bytes=1 << 30)
+    pol = K3Policy(cfg, 1 << 30, K3Config(checkpoint_dtype="int8", tier_write_policy="write_through"))
+    seq = array("q", range(1000, 1020))
+    trace = SymbolicTrace(64, [0.0], [16 * 64], [4 * 64], [seq], [0], [-1])
+    pol.finish(trace, 0, pol.admit(trace, 0).ctx)  # its boundaries are written through to host
+    lc = pol.lifecycle
+    lc.reset()  # the device forgets; the host tier keeps them
+    key = trace.prompt(0) + [5555]
+    before = pol.tiers.counters.load_no_memory
+    m = lc.match("b", key, admit=True, prompt_len=len(key), tier_room=3)
+    assert m.restore_len == 0 and pol.tiers.counters.load_no_memory == before + 1
+    lc.release_pin("b")
+    m = lc.match("b", key, admit=True, prompt_len=len(key), tier_room=None)
+    assert m.restore_len >= 16 and pol.tiers.counters.loads >= 1

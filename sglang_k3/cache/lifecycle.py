@@ -180,10 +180,13 @@ class CacheLifecycle:
         admit: bool,
         prompt_len: Optional[int] = None,
         is_done: Callable[[], bool] = _never_done,
+        tier_room: Optional[int] = None,
     ) -> MatchResult:
         """Look ``tokens`` up. With ``admit`` (the request is about to be scheduled and will copy
         the hit) the request is recorded, its branch point found and the hit pinned; a re-match
-        replaces the previous record's pin. Without it, a read-only lookup (sorting, probing)."""
+        replaces the previous record's pin. Without it, a read-only lookup (sorting, probing).
+        ``tier_room``: at most this many KV tokens may be brought up from a lower tier for it (the
+        caller's free memory not yet promised to other requests; None: no limit)."""
         if admit and rid is not None:
             rec = self.requests.get(rid)
             if rec is not None:
@@ -197,7 +200,7 @@ class CacheLifecycle:
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
                 rec.unplanned_key = tokens if rec.branch_point is None else None
             if self.tiers is not None:
-                self._promote(tokens)
+                self._promote(tokens, tier_room)
         elif self.tiers is not None:
             self.prefetch(tokens)  # a read-only lookup of a waiting request (e.g. sorting)
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
@@ -246,7 +249,7 @@ class CacheLifecycle:
 
     PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
 
-    def _promote(self, tokens: Sequence[int]) -> None:
+    def _promote(self, tokens: Sequence[int], room: Optional[int] = None) -> None:
         """Bring the deepest boundary the lower tiers hold past the device's own restore point
         onto the device: its missing KV into fresh KV slots, inserted into the tree, and its state
         as a ready checkpoint. A boundary with a part missing or invalid is a miss and the next
@@ -265,6 +268,9 @@ class CacheLifecycle:
                 logger.exception("k3 tier: lookup failed; serving from the device only")
                 return
             if plan is None:
+                return
+            if room is not None and plan.pos - plan.kv_from > room:
+                tiers.counters.load_no_memory += 1  # its KV would take memory promised to others
                 return
             outcome = self._promote_plan(tokens, path, restore, plan)
             if outcome != "retry":

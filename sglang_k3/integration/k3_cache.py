@@ -89,6 +89,9 @@ class K3RadixCache(BasePrefixCache):
         # pool SGLang hands to both (sglang_k3/state/forward_state.py).
         self.fwd = ForwardState(ExportStash(), DeferredRestores())
         attach(self.req_to_token_pool, self.fwd)
+        # Requests matched while the current prefill batch is filled -> tokens they will prefill
+        # (the room lower tiers may load into is what is left: _tier_room).
+        self._round_extend: dict[str, int] = {}
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
         # Unified memory (the default): KV, active states and checkpoints share one budget that
         # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
@@ -148,13 +151,17 @@ class K3RadixCache(BasePrefixCache):
         if key.extra_key is not None or key.cache_salt is not None or len(key) == 0:
             return miss  # LoRA / cache-salt namespaces are not shared through this tree
         req = params.req if params.cow_mamba else None
+        tokens = list(key.raw_token_ids())
         res = self.lifecycle.match(
             None if req is None else req.rid,
-            list(key.raw_token_ids()),
+            tokens,
             admit=req is not None,
             prompt_len=None if req is None else len(req.origin_input_ids),
             is_done=None if req is None else req.finished,
+            tier_room=None if req is None else self._tier_room(req.rid),
         )
+        if req is not None and self.lifecycle.tiers is not None:
+            self._round_extend[req.rid] = len(tokens) - res.restore_len
         if res.restore_len == 0:
             return miss
         if req is not None:
@@ -171,6 +178,20 @@ class K3RadixCache(BasePrefixCache):
             best_match_node=node,
             full_kv_hit_length=res.mla_len,
         )
+
+    def _tier_room(self, rid: str) -> Optional[int]:
+        """KV tokens a lower tier may bring up for ``rid`` now. SGLang matches the waiting
+        requests one by one while it fills a prefill batch and allocates the batch's KV only
+        after: memory a tier load takes at the match of a later request is memory the batch
+        already counted on for the earlier ones (their prefill, ``_round_extend``). The free and
+        evictable KV less what those earlier requests need is the room; without this guard a
+        load could leave the batch's own allocation short (SGLang's "Out of memory" at
+        ``alloc_for_extend``, seen in benchmarks/fleet_ab.py)."""
+        if self.lifecycle.tiers is None:
+            return None
+        promised = sum(n for r, n in self._round_extend.items() if r != rid)
+        free = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
+        return max(0, free - promised)
 
     def touch_prefix(self, key) -> None:
         """SGLang refreshes the waiting queue's prefixes (head last) so that LRU eviction spares
@@ -290,6 +311,8 @@ class K3RadixCache(BasePrefixCache):
 
     def end_store_scope(self) -> None:
         self.lifecycle.end_store_scope()
+        # A batch's results are in: the prefill batch scheduled before them has its KV allocated.
+        self._round_extend.clear()
 
     def flush_stores(self) -> int:
         return self.lifecycle.flush_stores()
