@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 
 def stop_group(proc: subprocess.Popen, term_timeout: float = 30.0, kill: bool = False) -> None:
@@ -39,6 +40,25 @@ class GroupProcess:
             command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         return self.proc
+
+    def wait_until(
+        self, ready: Callable[[], bool], timeout: float, interval: float, what: str, error=RuntimeError
+    ) -> None:
+        """Poll ``ready()`` every ``interval`` s until it is true. If the process exits first, or
+        ``timeout`` passes, stop it and raise ``error`` naming ``what``, with the log's tail."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                tail = self.log_tail()
+                self.stop()
+                raise error(f"{what} exited with {code} (log {self.log_path}):\n{tail}")
+            if ready():
+                return
+            time.sleep(interval)
+        tail = self.log_tail()
+        self.stop()
+        raise error(f"{what} not ready in {timeout}s (log {self.log_path}):\n{tail}")
 
     def log_tail(self, n: int = 60, width: int = 400) -> str:
         """The last ``n`` lines of the log, each cut to ``width`` characters (SGLang logs all its

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 from typing import Optional, Sequence
 
 import requests
@@ -83,21 +82,15 @@ class RouterProcess(GroupProcess):
 
     def start(self, timeout: float = 120.0) -> "RouterProcess":
         self.spawn(self.command)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RouterStartError(f"router exited with {code} (log {self.log_path}):\n{self.log_tail()}")
-            try:
-                ws = self.workers()
-                if len(ws) == len(self.worker_urls) and all(w.get("is_healthy") for w in ws):
-                    return self
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RouterStartError(f"router not ready in {timeout}s (log {self.log_path}):\n{self.log_tail()}")
+        self.wait_until(self._all_workers_healthy, timeout, 0.5, "router", RouterStartError)
+        return self
+
+    def _all_workers_healthy(self) -> bool:
+        try:
+            ws = self.workers()
+        except (requests.RequestException, ValueError):
+            return False
+        return len(ws) == len(self.worker_urls) and all(w.get("is_healthy") for w in ws)
 
     def workers(self) -> list[dict]:
         """The router's own view (``GET /workers``): url, is_healthy, load (its in-flight count)."""

@@ -41,18 +41,12 @@ class StoreHolderProcess(GroupProcess):
 
     def start(self, timeout: float = 60.0) -> "StoreHolderProcess":
         self.spawn(self.command)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise RuntimeError(f"the store holder exited with {code} (log {self.log_path}):\n{self.log_tail(20)}")
-            with open(self.log_path, errors="replace") as f:
-                if any(line.startswith("ready:") for line in f):
-                    return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"the store holder was not ready in {timeout}s (log {self.log_path})")
+        self.wait_until(self._mounted, timeout, 0.2, "the store holder")
+        return self
+
+    def _mounted(self) -> bool:
+        with open(self.log_path, errors="replace") as f:
+            return any(line.startswith("ready:") for line in f)
 
 
 def main(argv=None) -> int:
