@@ -13,21 +13,31 @@ would be stored one decode token late). The k3 cache does not depend on that ord
 * boundaries inside an extend come from the states that extend itself exported
   (``sglang_k3/state/export_stash.py``), which later forwards do not overwrite.
 
-So for a k3 backend this AROUND hook checks the other ``no_buffer`` conditions (page size 1, no
-``trtllm_mha``) and lets the overlap scheduler stay on. Every other backend keeps upstream's check
-unchanged.
+The same check asserts ``--page-size 1``: upstream's ``no_buffer`` keys its single state per
+node at any token. The k3 tree keeps whole KV pages and stores states only at page boundaries
+(a state whose boundary ends inside a page is not kept, the 64-token grid state below it is), so
+for k3 a page size that divides 64 passes; ``launch_server`` and the cache refuse others with
+the reason (``sglang_k3.cache.lifecycle.check_page_size``).
+
+So for a k3 backend this AROUND hook lets the overlap scheduler stay on and the page size be one
+that k3 takes, and still checks ``no_buffer``'s other condition (no ``trtllm_mha``). Every other
+backend keeps upstream's check unchanged.
 """
 
 from __future__ import annotations
 
 TARGET = "sglang.srt.arg_groups.mamba_hook.validate_mamba_no_buffer"
-REASON = "k3 guards its state copies by state length, so no_buffer may run with the overlap scheduler"
+REASON = (
+    "k3 guards its state copies by state length and keys states at page boundaries, so no_buffer may run "
+    "with the overlap scheduler and pages that divide 64"
+)
 UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = False
 
 
 class _OverlapAllowed:
-    """The server-args view with the overlap check answered, everything else read through."""
+    """The server-args view with the overlap and page-size checks answered for k3, everything else
+    read through."""
 
     def __init__(self, view) -> None:
         self._view = view
@@ -35,6 +45,9 @@ class _OverlapAllowed:
     def __getattr__(self, name: str):
         if name == "disable_overlap_schedule":
             return True
+        if name == "page_size":
+            page = getattr(self._view, name)
+            return 1 if page and 64 % page == 0 else page  # others: upstream's assertion stands
         return getattr(self._view, name)
 
 

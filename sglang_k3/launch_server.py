@@ -89,6 +89,28 @@ def _check_backend_strategy(argv: list[str]) -> None:
         )
 
 
+def _check_page_size(argv: list[str], cfg: K3Config) -> None:
+    """k3's restore points inside a running request sit on the KDA kernel's 64-token grid, so the
+    page size must divide 64 (each grid point is then a page boundary). The lower tiers move KV
+    token by token and need page 1."""
+    if _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
+        return
+    value = _value(argv, "--page-size")
+    if value is None:
+        return
+    from sglang_k3.cache.lifecycle import check_page_size
+
+    try:
+        page = int(value)
+        check_page_size(page)
+    except ValueError as e:
+        raise SystemExit(f"--page-size {value}: {e}") from None
+    if page > 1 and (cfg.host_tier_gib > 0 or cfg.mooncake):
+        raise SystemExit(
+            f"--page-size {value}: the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1"
+        )
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     """Split our flags off ``argv`` and return SGLang's argv with our defaults added."""
     ours = argparse.ArgumentParser(add_help=False)
@@ -110,6 +132,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
+    _check_page_size(rest, cfg)
     if _value(rest, "--radix-cache-backend") == "k3":
         # Under the overlap scheduler, process one prefill's results before the next prefill
         # starts (upstream's own switch; it helps the first batch's TTFT): the states the k3

@@ -76,6 +76,27 @@ SERVER_CONFIGS: dict[str, list[str]] = {
         "--k3-tier-park-interval",
         "128",
     ],
+    # KV pages of 64 tokens (FlashMLA's size on a GPU), overlap on and off, fp32 and int8: a turn
+    # that ends inside a page keeps its partial page, and the next turn restores inside it.
+    "k3_page64": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64"],
+    "k3_page64_no_overlap": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64", "--disable-overlap-schedule"],
+    "k3_page64_int8": ["--page-size", "64", "--k3-checkpoint-slots", "16"],
+    # Pages of 16 with small chunks and pools (as k3_small): chunk ends, evictions and restores
+    # inside pages all happen; 96-token chunks end on page boundaries but off the 64-token grid.
+    "k3_page16_small": [
+        "--k3-checkpoint-dtype",
+        "fp32",
+        "--page-size",
+        "16",
+        "--chunked-prefill-size",
+        "96",
+        "--max-total-tokens",
+        "1536",
+        "--max-mamba-cache-size",
+        "12",
+        "--k3-decode-checkpoint-interval",
+        "8",
+    ],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],
 }

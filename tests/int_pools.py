@@ -36,3 +36,34 @@ class IntPool:
     @property
     def used(self) -> int:
         return len(self.allocated)
+
+
+class PagedPool:
+    """KV slots handed out in whole pages, freed as SGLang's paged allocator frees them: any index
+    given back frees the whole page that holds it. A row of ``n`` tokens puts position ``q`` at
+    offset ``q % page_size`` of its page, as SGLang's paged rows do."""
+
+    def __init__(self, pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.free_pages = list(range(pages - 1, -1, -1))
+        self.allocated: set[int] = set()  # pages
+
+    def alloc_row(self, n: int) -> list[int]:
+        p = self.page_size
+        out: list[int] = []
+        for _ in range(-(-n // p)):
+            if not self.free_pages:
+                raise MemoryError("paged pool exhausted")
+            page = self.free_pages.pop()
+            self.allocated.add(page)
+            out.extend(page * p + i for i in range(p))
+        return out[:n]
+
+    def free(self, idx: list[int]) -> set[int]:
+        pages = {i // self.page_size for i in idx}
+        for page in pages:
+            if page not in self.allocated:
+                raise AssertionError(f"double free of page {page}")
+            self.allocated.remove(page)
+            self.free_pages.append(page)
+        return pages

@@ -4,8 +4,9 @@ Seeded random scripts (multi-turn conversations over a shared system prompt, for
 concurrently, repeated prompts, prompts ending mid-chunk) run against ``k3`` servers and a
 ``--disable-radix-cache`` server. ``k3`` runs with the overlap scheduler on (launch_server's
 default), ``k3_no_overlap`` with it off. ``k3_small`` (overlap on) uses 96-token prefill chunks and
-small KV and state pools, so chunk checkpoints, recycling and eviction all happen. Seeds are
-recorded in the test ids.
+small KV and state pools, so chunk checkpoints, recycling and eviction all happen. The
+``k3_page*`` servers run with KV pages of 64 and 16 tokens (overlap on and off), where a turn end
+inside a page is restored through a copy of that page. Seeds are recorded in the test ids.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from scripted_workload import compare, make_script, run_script
 SEEDS = [101, 202]
 
 
-@pytest.mark.parametrize("config", ["k3", "k3_no_overlap", "k3_small", "k3_host_tier"])
+CONFIGS = ["k3", "k3_no_overlap", "k3_small", "k3_host_tier", "k3_page64", "k3_page64_no_overlap", "k3_page16_small"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_k3_greedy_equals_no_cache(server_factory, config, seed):
     script = make_script(seed)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from scripted_workload import make_script, run_script
 
 SEEDS = [303, 404]
 
 
-def test_int8_restores_agree_with_fp32(server_factory):
-    int8, fp32 = server_factory("k3_int8"), server_factory("k3")
+@pytest.mark.parametrize("int8_config, fp32_config", [("k3_int8", "k3"), ("k3_page64_int8", "k3_page64")])
+def test_int8_restores_agree_with_fp32(server_factory, int8_config, fp32_config):
+    int8, fp32 = server_factory(int8_config), server_factory(fp32_config)
     agree = total = 0
     drift = 0.0
     hits = 0
@@ -37,7 +39,7 @@ def test_int8_restores_agree_with_fp32(server_factory):
                 drift = max(drift, abs(la - lb))
     rate = agree / total
     print(
-        f"\nint8 vs fp32 checkpoints: greedy agreement {rate:.4f} ({agree}/{total} tokens), "
+        f"\n{int8_config} vs {fp32_config}: greedy agreement {rate:.4f} ({agree}/{total} tokens), "
         f"max |logprob drift| {drift:.2e}, {hits} requests restored from a checkpoint"
     )
     assert hits > 0

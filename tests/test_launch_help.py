@@ -98,10 +98,37 @@ def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
         validate_no_buffer(
             validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="upstream", **view), "KimiLinear"
         )
+    # k3 keys its states at page boundaries: pages that divide 64 pass, others keep upstream's check
+    for page in (16, 64):
+        k3_view = SimpleNamespace(radix_cache_backend="k3", **{**view, "page_size": page})
+        validate_no_buffer(validate_mamba_no_buffer, k3_view, "K")
     with pytest.raises(AssertionError, match="page_size"):
         validate_no_buffer(
-            validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="k3", **{**view, "page_size": 64}), "K"
+            validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="k3", **{**view, "page_size": 48}), "K"
         )
+    with pytest.raises(AssertionError, match="page_size"):
+        upstream_view = SimpleNamespace(radix_cache_backend="upstream", **{**view, "page_size": 64})
+        validate_no_buffer(validate_mamba_no_buffer, _overlap_off(upstream_view), "K")
+
+
+def _overlap_off(view):
+    view.disable_overlap_schedule = True
+    return view
+
+
+def test_page_sizes_k3_cannot_serve_are_refused_with_the_reason():
+    from sglang_k3 import launch_server as L
+
+    for page in ("16", "64"):
+        argv, _ = L.build_argv(["--model-path", "/m", "--page-size", page])
+        assert argv[argv.index("--page-size") + 1] == page
+    with pytest.raises(SystemExit, match="divides 64"):
+        L.build_argv(["--model-path", "/m", "--page-size", "48"])
+    with pytest.raises(SystemExit, match="lower tiers"):
+        L.build_argv(["--model-path", "/m", "--page-size", "64", "--k3-host-tier-gib", "1"])
+    # SGLang's own cache and a cache-off server are not k3's to check
+    L.build_argv(["--model-path", "/m", "--page-size", "48", "--radix-cache-backend", "upstream"])
+    L.build_argv(["--model-path", "/m", "--page-size", "48", "--disable-radix-cache"])
 
 
 def test_k3_with_another_state_strategy_is_refused_with_the_reason():

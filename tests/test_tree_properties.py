@@ -7,7 +7,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from int_pools import IntPool
+from int_pools import IntPool, PagedPool
 
 from sglang_k3.cache import CheckpointBusy, CheckpointKind, K3RadixTree, PlacementPolicy
 
@@ -19,6 +19,7 @@ op = st.tuples(
         [
             "insert",
             "insert",
+            "extend",
             "match",
             "match",
             "match",
@@ -43,10 +44,12 @@ op = st.tuples(
 
 
 class Harness:
-    def __init__(self, page: int, groups: int, protects: bool = True) -> None:
-        # protects=False: the lifecycle's tree, where only pins (not path locks) hold checkpoints
-        self.tree = K3RadixTree(num_groups=groups, page_size=page, hit_unit=UNIT, lock_protects_checkpoints=protects)
-        self.kv, self.h = IntPool(20_000), IntPool(2_000)
+    def __init__(self, page: int, groups: int, protects: bool = True, unit: int = UNIT) -> None:
+        # protects=False: the lifecycle's tree, where only pins (not path locks) hold checkpoints.
+        # unit=1: the server's tree, where a state may sit at any position (a request's end).
+        self.unit = unit
+        self.tree = K3RadixTree(num_groups=groups, page_size=page, hit_unit=unit, lock_protects_checkpoints=protects)
+        self.kv, self.h = PagedPool(20_000 // page + 8, page), IntPool(2_000)
         self.nodes, self.locks, self.pins = [], [], []
 
     def key(self, b, n, s):
@@ -57,25 +60,49 @@ class Harness:
         self.h.write(handle)
 
     def free(self, freed):
-        self.kv.free(freed.kv_indices)
+        self.free_kv(freed.kv_indices)
         self.h.free(freed.handles)
+
+    def free_kv(self, idx):
+        """Freeing any slot frees its whole page: no page the tree still uses may go."""
+        pages = self.kv.free(idx)
+        held = {i // self.kv.page_size for i in self.tree_kv()}
+        assert not pages & held, f"pages {sorted(pages & held)} freed while the tree holds slots in them"
+
+    def tree_kv(self):
+        out, stack = [], list(self.tree.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            out.extend(n.kv)
+        return out
 
     def step(self, name, b, n, s, r):
         t, rnd = self.tree, random.Random(r)
         live = [x for x in self.nodes if x is t.root or x.parent is not None]
         if name == "insert":
             key = self.key(b, n, s)
-            kv = self.kv.alloc(len(key))
-            res = t.insert(key, kv)
-            self.kv.free(res.duplicate_kv + kv[res.inserted_len :])
+            kv = self.kv.alloc_row(len(key))
+            res = t.insert(key, kv, ragged=r % 3 == 0)  # a finished request keeps its last page
+            self.free_kv(res.duplicate_kv + kv[res.inserted_len :])
             self.nodes.append(res.node)
             if r % 2 and res.node is not t.root:  # a running request holds its own path
                 t.inc_lock_ref(res.node)
                 self.locks.append(res.node)
+        elif name == "extend" and any(x is not t.root for x in live):
+            # the next turn: a cached path (often a ragged end) and more, through its last page
+            node = rnd.choice([x for x in live if x is not t.root])
+            key = t.path_prefix(node, node.end)[0] + [8] * (s + 1)
+            kv = self.kv.alloc_row(len(key))
+            res = t.insert(key, kv, ragged=r % 3 == 0)
+            self.free_kv(res.duplicate_kv + kv[res.inserted_len :])
+            self.nodes.append(res.node)
         elif name == "match":
             m = t.match_prefix(self.key(b, n, s), pin=bool(r % 2))
-            assert m.restore_len % UNIT == 0 and m.restore_len <= max(0, n + s - 1)
-            assert len(m.kv_indices) == m.restore_len and all(i in self.kv.allocated for i in m.kv_indices)
+            assert m.restore_len % self.unit == 0 and m.restore_len <= max(0, n + s - 1)
+            assert len(m.kv_indices) == m.restore_len
+            assert all(i // self.kv.page_size in self.kv.allocated for i in m.kv_indices)
+            assert m.kv_cow_tokens == m.restore_len % t.page_size
             if m.checkpoint is not None:
                 assert m.checkpoint.matchable
             if m.pin is not None:
@@ -92,8 +119,10 @@ class Harness:
             t.release_pin(pin)
         elif name == "ckpt" and live:
             node = rnd.choice(live)
-            if node.end >= UNIT:
-                pos = rnd.randint(1, node.end // UNIT) * UNIT
+            if node.end >= self.unit:
+                # a node's end (a ragged one: a request's exact end) or any unit multiple on its path
+                at_end = node.end % self.unit == 0 and r % 3 == 0
+                pos = node.end if at_end else rnd.randint(1, node.end // self.unit) * self.unit
                 hs = self.h.alloc(t.num_groups)
                 for x in hs:
                     self.write(x)  # the copy/donation lands in a fresh slot
@@ -124,9 +153,22 @@ class Harness:
     def check(self):
         t = self.tree
         t.check_invariants()
-        assert self.kv.used == t.total_size(), "KV leak or double ownership"
+        p = self.kv.page_size
+        held = self.tree_kv()
+        assert len(held) == len(set(held)), "KV index held twice"
+        assert {i // p for i in held} == self.kv.allocated, "KV page leaked or freed while held"
+        assert t.total_size() == len(self.kv.allocated) * p, "the tree's size is not the pages it holds"
+        for q, i in self._positions():  # a row's position q sits at offset q % page of its page
+            assert i % p == q % p
         assert self.h.used == len(t._handle_owner), "checkpoint handle leak"
         assert t.evictable_size() >= 0 and t.protected_size() >= 0
+
+    def _positions(self):
+        stack = list(self.tree.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            yield from zip(range(n.start, n.end), n.kv)
 
     def flush(self):
         t = self.tree
@@ -139,7 +181,7 @@ class Harness:
         self.free(t.evict(num_tokens=10**9, num_bytes=10**12))
         self.check()
         assert t.total_size() == 0 and t.checkpoint_count() == 0 and not t.root.children
-        assert self.kv.used == 0 and self.h.used == 0
+        assert not self.kv.allocated and self.h.used == 0
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,5 +208,17 @@ def test_reset_returns_everything(page, ops):
         hz.step(*o)
     freed = hz.tree.reset()
     hz.free(freed)
-    assert hz.kv.used == 0 and hz.h.used == 0 and hz.tree.total_size() == 0
+    assert not hz.kv.allocated and hz.h.used == 0 and hz.tree.total_size() == 0
     assert hz.tree.checkpoint_count() == 0 and hz.tree.checkpoint_bytes() == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(page=st.sampled_from([4, 16]), protects=st.booleans(), ops=st.lists(op, max_size=60))
+def test_ragged_request_ends_with_exact_states_leak_nothing(page, protects, ops):
+    """The server's tree: states at any position, including ragged leaves' exact ends, restores
+    inside a page (``kv_cow_tokens``), and ragged leaves absorbed by the pages that go on through
+    them; freeing is by whole pages and never hits a page the tree still uses."""
+    hz = Harness(page, 1, protects, unit=1)
+    for o in ops:
+        hz.step(*o)
+    hz.flush()

@@ -41,6 +41,10 @@ from sglang_k3.cache.tree import K3RadixTree
 
 logger = logging.getLogger(__name__)
 
+# The KDA kernel's chunk: prefills export states at its multiples (the grid k3's restore points
+# sit on, besides request ends).
+STATE_GRID = 64
+
 
 class CheckpointStore(Protocol):
     """Where checkpoints live. Handles are ints the tree holds read-only; active slots are the
@@ -134,6 +138,7 @@ class LifecycleCounters:
     store_flushes: int = 0  # flush_stores calls that stored something
     stores_flushed: int = 0  # checkpoints stored by them
     stale_state_skips: int = 0  # live-slot copies not made: the slot had moved past the boundary
+    unkeyed_state_skips: int = 0  # live states not stored: the boundary ends inside a KV page
     tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
     tier_parked: int = 0  # exported states saved straight to the lower tiers (dense states)
 
@@ -354,9 +359,11 @@ class CacheLifecycle:
                 self.release_pin(rid)
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens: Sequence[int], kv: Sequence[int]) -> InsertResult:
-        """Insert a request's KV; indices the tree already held under other slots are freed."""
-        ins = self.tree.insert(tokens, kv)
+    def insert(self, tokens: Sequence[int], kv: Sequence[int], ragged: bool = False) -> InsertResult:
+        """Insert a request's KV; indices the tree already held under other slots are freed.
+        ``ragged``: the request is done writing its last KV page, so the tree may keep it partial
+        (with pages over one token, a generation end inside a page keeps its exact state)."""
+        ins = self.tree.insert(tokens, kv, ragged=ragged)
         if ins.duplicate_kv:
             self._free_kv(ins.duplicate_kv)
         return ins
@@ -392,6 +399,9 @@ class CacheLifecycle:
         if rec is not None and not any(k & CheckpointKind.BRANCH for k in wanted.values()):
             self._restored_is_branch_state(rec)
         for pos, kind in sorted(wanted.items()):
+            if pos > node.end:  # inside the running request's last KV page: not in the tree yet
+                self.counters.unkeyed_state_skips += 1
+                continue
             if self.has_checkpoint_at(node, pos) or not source.kept(pos):
                 continue
             handle = self._pinned(node, self.store.capture_export, source, pos)
@@ -731,6 +741,7 @@ class CacheLifecycle:
             store_flushes=self.counters.store_flushes,
             stores_flushed=self.counters.stores_flushed,
             stale_state_skips=self.counters.stale_state_skips,
+            unkeyed_state_skips=self.counters.unkeyed_state_skips,
             tier_errors=self.counters.tier_errors,
             tier_parked=self.counters.tier_parked,
         )
@@ -758,11 +769,25 @@ def placement_from_config(cfg, unit: int = 1) -> PlacementPolicy:
     )
 
 
-def build_tree(eviction: EvictionPolicy) -> K3RadixTree:
-    """The tree the server runs: one KDA group per TP rank, one-position pages and hit unit, and
-    checkpoints protected by pins only (a running request works on its own private copy, so a
-    lock on its path need not keep the checkpoints on it)."""
-    return K3RadixTree(num_groups=1, page_size=1, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False)
+def build_tree(eviction: EvictionPolicy, page_size: int = 1) -> K3RadixTree:
+    """The tree the server runs: one KDA group per TP rank, SGLang's KV page size (the tree keeps
+    whole pages of KV), a one-position hit unit, and checkpoints protected by pins only (a running
+    request works on its own private copy, so a lock on its path need not keep the checkpoints on
+    it)."""
+    check_page_size(page_size)
+    return K3RadixTree(
+        num_groups=1, page_size=page_size, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False
+    )
+
+
+def check_page_size(page_size: int) -> None:
+    """k3's restore points inside a running request sit on the KDA kernel's 64-token grid; a page
+    size that divides 64 puts each of them on a page boundary, where the tree's whole pages end.
+    Request ends inside a page are kept as ragged leaves (:meth:`K3RadixTree.insert`)."""
+    if page_size < 1 or STATE_GRID % page_size:
+        raise ValueError(
+            f"the k3 cache needs a page size that divides {STATE_GRID} (1, 2, 4, 8, 16, 32 or 64), got {page_size}"
+        )
 
 
 def build_lifecycle(
@@ -773,11 +798,18 @@ def build_lifecycle(
     unit: int = 1,
     tiers=None,
     alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
+    page_size: int = 1,
 ) -> CacheLifecycle:
     """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
     host gives the eviction policy its cost model; the config gives it its alpha)."""
     eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
     park = cfg.tier_park_interval // unit if tiers is not None else 0
     return CacheLifecycle(
-        build_tree(eviction), placement_from_config(cfg, unit), store, free_kv, tiers, alloc_kv, park_every=park
+        build_tree(eviction, page_size),
+        placement_from_config(cfg, unit),
+        store,
+        free_kv,
+        tiers,
+        alloc_kv,
+        park_every=park,
     )

@@ -80,6 +80,7 @@ class Node:
     checkpoints: dict[int, Checkpoint] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    ragged: int = 0  # children that end inside a KV page (ragged leaves; the tree keeps the count)
 
     @property
     def end(self) -> int:

@@ -53,11 +53,13 @@ class MatchResult:
 @dataclass
 class InsertResult:
     """``prefix_len``: leading tokens already in the tree before this insert.
-    ``inserted_len``: the page-aligned length the tree now holds for this key (``len(key)`` rounded
-    down to ``page_size``); ``kv[inserted_len:]`` stays the caller's.
-    ``duplicate_kv``: the caller's indices in ``[0, inserted_len)`` that the tree did not take
-    because it already held those tokens with other indices: the caller frees them.
-    ``node``: the node ending exactly at ``inserted_len`` (root when 0)."""
+    ``inserted_len``: the length the tree now holds for this key: ``len(key)`` rounded down to
+    ``page_size``, or all of it for a ragged insert; ``kv[inserted_len:]`` stays the caller's.
+    ``duplicate_kv``: indices the caller frees: its own in ``[0, inserted_len)`` that the tree did
+    not take because it already held those tokens with other indices, and those of ragged leaves
+    the insert made redundant (their checkpoints moved to the node that now holds their tokens).
+    ``node``: the node holding position ``inserted_len`` at its end, or (a ragged end that an
+    existing node already covers) inside its span; root when 0."""
 
     prefix_len: int
     inserted_len: int

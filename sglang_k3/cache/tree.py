@@ -11,7 +11,12 @@ Design
 * **Nodes** are radix edges over token ids, holding one MLA KV index per token. Inserted keys are
   cut to a multiple of ``page_size`` and nodes are only ever split at page multiples, so every
   node's KV is whole pages: eviction frees whole pages and a key that ends inside a page never
-  creates an empty or a partial-page node (a key shorter than one page inserts nothing).
+  creates an empty or a partial-page node (a key shorter than one page inserts nothing). The one
+  exception is a **ragged** insert (a finished request, which writes no more KV): its last,
+  partial page becomes (part of) a leaf of its own that never gets children, so the state at the
+  request's exact end has a key. Another request that goes on through that page does so in a
+  page of its own (it copied the ragged slots: ``kv_cow_tokens``), and the ragged leaf's
+  checkpoints then move to the node holding that page (:meth:`K3RadixTree._absorb_ragged`).
 * **Matching is token-granular**: phase 1 follows exact full pages through the children dict and,
   where the request diverges inside a page, scans siblings for the longest token match, so
   ``mla_len`` can end inside a page. Phase 2 picks the largest checkpoint position
@@ -122,11 +127,11 @@ class K3RadixTree:
 
     # ------------------------------------------------------------------ sizes
     def evictable_size(self) -> int:
-        """KV tokens in unlocked nodes."""
+        """KV slots in unlocked nodes (tokens; a ragged leaf's partial page counts whole)."""
         return self._evictable_tokens
 
     def protected_size(self) -> int:
-        """KV tokens in locked nodes."""
+        """KV slots in locked nodes (tokens; a ragged leaf's partial page counts whole)."""
         return self._protected_tokens
 
     def total_size(self) -> int:
@@ -308,6 +313,15 @@ class K3RadixTree:
         return out
 
     # ------------------------------------------------------------------ insertion
+    def _slots(self, node: Node) -> int:
+        """KV slots ``node`` keeps from the pool: its tokens, and a ragged leaf's whole last page
+        (what the evictable and protected sizes count, as SGLang's pool accounting does)."""
+        return -(-len(node.key) // self.page_size) * self.page_size
+
+    def _ragged(self, node: Node) -> bool:
+        """A leaf whose last KV page is partial: a request that ended inside a page left it."""
+        return len(node.key) % self.page_size != 0
+
     def _split(self, child: Node, n: int) -> Node:
         """Split ``child`` after ``n`` tokens (a page multiple); returns the new upper node."""
         p = self.page_size
@@ -323,19 +337,35 @@ class K3RadixTree:
         parent.children[tuple(child.key[:p])] = mid
         child.key, child.kv, child.start, child.parent = child.key[n:], child.kv[n:], mid.end, mid
         mid.children[tuple(child.key[:p])] = child
+        if self._ragged(child):  # the ragged remainder now hangs under mid
+            parent.ragged -= 1
+            mid.ragged += 1
         return mid
 
-    def insert(self, key: Sequence[int], kv: Sequence[int]) -> InsertResult:
-        """Insert a request's KV. Only ``len(key)`` rounded down to the page size is taken."""
+    def insert(self, key: Sequence[int], kv: Sequence[int], ragged: bool = False) -> InsertResult:
+        """Insert a request's KV. Only ``len(key)`` rounded down to the page size is taken, unless
+        ``ragged``: then the last, partial page is taken too, as a leaf of its own (a finished
+        request's last page: nothing writes into it any more, so the tree may own it). Requests
+        that restore inside it copy its slots to a page of their own
+        (``MatchResult.kv_cow_tokens``); a ragged leaf never gets children."""
         if len(key) != len(kv):
             raise ValueError("key and kv must have the same length")
         p = self.page_size
-        limit = len(key) // p * p
+        limit = len(key) if ragged else len(key) // p * p
         node, pos, dup = self.root, 0, []
         now = self._tick()
         prefix_len = limit
         while pos < limit:
-            child = node.children.get(tuple(key[pos : pos + p]))
+            rest = limit - pos
+            if rest < p:  # a ragged end: a child that already holds these tokens covers it
+                child = self._covering_child(node, key, pos, rest)
+                if child is not None:
+                    dup.extend(kv[pos + i] for i in range(rest) if kv[pos + i] != child.kv[i])
+                    child.last_access = now
+                    node, pos = child, limit
+                    break
+            else:
+                child = node.children.get(tuple(key[pos : pos + p]))
             if child is None:
                 prefix_len = pos
                 leaf = Node(
@@ -347,7 +377,10 @@ class K3RadixTree:
                     last_access=now,
                 )
                 node.children[tuple(leaf.key[:p])] = leaf
-                self._evictable_tokens += len(leaf.key)
+                self._evictable_tokens += self._slots(leaf)
+                if self._ragged(leaf):
+                    node.ragged += 1
+                dup.extend(self._absorb_ragged(node, leaf))
                 node, pos = leaf, limit
                 break
             n = min(_lcp(child.key, key, pos), limit - pos) // p * p
@@ -355,10 +388,50 @@ class K3RadixTree:
                 child = self._split(child, n)
             dup.extend(kv[pos + i] for i in range(n) if kv[pos + i] != child.kv[i])
             child.last_access = now
+            dup.extend(self._absorb_ragged(node, child))
             node, pos = child, pos + n
         return InsertResult(prefix_len=prefix_len, inserted_len=limit, duplicate_kv=dup, node=node)
 
-    # ------------------------------------------------------------------ locking
+    def _covering_child(self, node: Node, key: Sequence[int], pos: int, n: int) -> Optional[Node]:
+        """A child of ``node`` whose key starts with ``key[pos:pos + n]`` (``n`` under a page)."""
+        want = list(key[pos : pos + n])
+        for child in node.children.values():
+            if child.key[:n] == want:
+                return child
+        return None
+
+    def _absorb_ragged(self, parent: Node, into: Node) -> list[int]:
+        """Ragged leaves under ``parent`` whose tokens ``into`` also holds (a later request went on
+        through the same page, in a page of its own) hand their checkpoints to ``into`` and leave:
+        otherwise a lookup that follows ``into`` would never see those states. Same tokens, same
+        KV, so the checkpoints stay valid over ``into``'s slots. A ragged leaf that is locked, or
+        whose checkpoints are pinned, not landed, or already present in ``into``, stays (a later
+        insert through ``into`` tries again). Returns the KV indices the leaves held, to free."""
+        if parent.ragged == 0:
+            return []
+        freed: list[int] = []
+        for leaf in list(parent.children.values()):
+            if (
+                leaf is into
+                or not self._ragged(leaf)
+                or leaf.lock_ref
+                or len(leaf.key) >= len(into.key)
+                or into.key[: len(leaf.key)] != leaf.key
+                or any(ck.pins or not ck.ready or ck.pos in into.checkpoints for ck in leaf.checkpoints.values())
+            ):
+                continue
+            for pos, ck in leaf.checkpoints.items():
+                ck.node = into
+                into.checkpoints[pos] = ck
+                self._restat(ck)
+            leaf.checkpoints = {}
+            del parent.children[tuple(leaf.key[: self.page_size])]
+            parent.ragged -= 1
+            leaf.parent = None
+            self._evictable_tokens -= self._slots(leaf)
+            freed.extend(leaf.kv)
+        return freed
+
     def inc_lock_ref(self, node: Node) -> int:
         """Lock ``node`` and its ancestors; returns the KV tokens moved to protected."""
         self._check_attached(node)
@@ -366,7 +439,7 @@ class K3RadixTree:
         for n in self._path(node):
             n.lock_ref += 1
             if n.lock_ref == 1:
-                delta += len(n.key)
+                delta += self._slots(n)
                 for ck in n.checkpoints.values():
                     self._restat(ck)
         self._evictable_tokens -= delta
@@ -383,7 +456,7 @@ class K3RadixTree:
         for n in path:
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                delta += len(n.key)
+                delta += self._slots(n)
                 for ck in n.checkpoints.values():
                     self._restat(ck)
         self._evictable_tokens += delta
@@ -748,11 +821,13 @@ class K3RadixTree:
         assert leaf.lock_ref == 0 and leaf.is_leaf and keep_end % self.page_size == 0
         cut = keep_end - leaf.start
         out = leaf.kv[cut:]
-        self._evictable_tokens -= len(out)
+        self._evictable_tokens -= self._slots(leaf) - cut
+        parent = leaf.parent
+        assert parent is not None
+        if self._ragged(leaf):
+            parent.ragged -= 1  # removed, or cut back to whole pages
         if cut == 0:
             assert not leaf.checkpoints
-            parent = leaf.parent
-            assert parent is not None
             del parent.children[tuple(leaf.key[: self.page_size])]
             leaf.parent = None
         else:
@@ -800,9 +875,10 @@ class K3RadixTree:
             for head, c in n.children.items():
                 assert c.parent is n and c.start == n.end and len(c.key) > 0, c
                 assert tuple(c.key[: self.page_size]) == head and len(c.key) == len(c.kv)
-                assert len(c.key) % self.page_size == 0, c
+                assert not self._ragged(c) or c.is_leaf, c  # only a leaf may end inside a page
                 assert 0 <= c.lock_ref <= n.lock_ref or n is self.root, (n, c)
                 stack.append(c)
+            assert n.ragged == sum(map(self._ragged, n.children.values())), n
             if n is self.root:
                 continue
             assert n.lock_ref >= 0
@@ -810,9 +886,9 @@ class K3RadixTree:
                 assert i not in seen_kv, f"KV index {i} held twice"
                 seen_kv.add(i)
             if n.lock_ref:
-                pr += len(n.key)
+                pr += self._slots(n)
             else:
-                ev += len(n.key)
+                ev += self._slots(n)
             for pos, ck in n.checkpoints.items():
                 assert ck.pos == pos and ck.node is n and n.start < pos <= n.end and pos % self.hit_unit == 0
                 assert ck.pins >= 0 and (ck.pins == 0 or n.lock_ref >= ck.pins)

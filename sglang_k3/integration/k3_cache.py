@@ -34,6 +34,11 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
   forward stream ahead of any forward that could read it.
 * **Full match**: the tree caps the restore point at ``len(key) - 1`` and rounds down to the
   nearest checkpoint, so a fully cached prompt still reuses everything up to that checkpoint.
+* **KV pages** (``--page-size``, 1 or a divisor of 64): the tree keeps whole pages, plus a finished
+  request's last partial page as a ragged leaf (its exact end state has a key). A restore inside a
+  page copies the prefix's slots of that page into a page of the request's own
+  (:meth:`prefix_device_indices`); a running request's boundary inside its last page is not
+  stored (``docs/sglang_cache_contract.md`` §8).
 * **Overlap scheduler** (on by default): step N+1 is launched before step N's results reach this
   cache, so a live slot may hold more tokens than the boundary being stored. SGLang counts a
   step's tokens in ``req.kv.kv_committed_len`` when it prepares the step, so that is the slot's
@@ -61,7 +66,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.cost_model import from_hf_config
-from sglang_k3.cache.lifecycle import build_lifecycle
+from sglang_k3.cache.lifecycle import build_lifecycle, check_page_size
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
 from sglang_k3.integration.tier_setup import build_tiers
@@ -77,11 +82,12 @@ logger = logging.getLogger(__name__)
 
 class K3RadixCache(BasePrefixCache):
     def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None, tier_ctx=None):
-        if params.page_size not in (1, None):
-            raise ValueError(f"--radix-cache-backend k3 needs --page-size 1 (got {params.page_size})")
+        self.page_size = params.page_size or 1
+        check_page_size(self.page_size)
+        if self.page_size > 1 and (cfg.host_tier_gib > 0 or cfg.mooncake):
+            raise ValueError("the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need --page-size 1")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
-        self.page_size = 1
         self.disable = False
         self.cfg = cfg
         self._kv_device = self.req_to_token_pool.req_to_token.device
@@ -92,6 +98,7 @@ class K3RadixCache(BasePrefixCache):
         # Requests matched while the current prefill batch is filled -> tokens they will prefill
         # (the room lower tiers may load into is what is left: _tier_room).
         self._round_extend: dict[str, int] = {}
+        self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
         # Unified memory (the default): KV, active states and checkpoints share one budget that
         # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
@@ -116,7 +123,13 @@ class K3RadixCache(BasePrefixCache):
         # bring the deepest usable one back (sglang_k3.tiers); None when off.
         self.tiers = build_tiers(cfg, tier_ctx, mla_pool_of(self.token_to_kv_pool_allocator.get_kvcache()), self.store)
         self.lifecycle = build_lifecycle(
-            cfg, self.store, _eviction_policy(hf_config), self._free_kv, tiers=self.tiers, alloc_kv=self._alloc_kv
+            cfg,
+            self.store,
+            _eviction_policy(hf_config),
+            self._free_kv,
+            tiers=self.tiers,
+            alloc_kv=self._alloc_kv,
+            page_size=self.page_size,
         )
         if self.unified is not None:
             self.evictor = UnifiedEviction(self.lifecycle, self.ledger, keep_checkpoints=cfg.min_checkpoints)
@@ -177,7 +190,38 @@ class K3RadixCache(BasePrefixCache):
             last_host_node=node,
             best_match_node=node,
             full_kv_hit_length=res.mla_len,
+            # a restore inside a page: the request's copy of that page (prefix_device_indices) is
+            # its own, so only the whole pages before it are protected
+            cache_protected_len=None if self.page_size == 1 else res.restore_len - res.kv_cow_tokens,
         )
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """The KV slots of ``req``'s matched prefix, read when its KV is allocated. A restore
+        inside a page (a ragged leaf's exact end, ``--page-size`` over 1) would have SGLang's
+        paged allocator write the request's next tokens into the rest of that page, which the
+        tree holds: the prefix's slots in it are copied to a fresh page of the request's own."""
+        idx = super().prefix_device_indices(req)
+        cow = len(idx) % self.page_size
+        if cow == 0:
+            return idx
+        page = self._alloc_kv_page()
+        dst = page[:cow]
+        self.token_to_kv_pool_allocator.get_kvcache().move_kv_cache(dst, idx[-cow:])
+        self.kv_page_copies += 1
+        return torch.cat([idx[:-cow], dst])
+
+    def _alloc_kv_page(self) -> torch.Tensor:
+        alloc = self.token_to_kv_pool_allocator
+        page = alloc.alloc(self.page_size)
+        if page is None:
+            self.evict(EvictParams(num_tokens=self.page_size))
+            page = alloc.alloc(self.page_size)
+        if page is None:
+            raise RuntimeError(
+                "k3 cache: no free KV page to copy a restored partial page into "
+                f"({alloc.available_size()} tokens free, {self.evictable_size()} evictable)"
+            )
+        return page
 
     def _tier_room(self, rid: str) -> Optional[int]:
         """KV tokens a lower tier may bring up for ``rid`` now. SGLang matches the waiting
@@ -247,7 +291,9 @@ class K3RadixCache(BasePrefixCache):
             return
         row = req.kv.req_pool_idx
         kv_row = self.req_to_token_pool.req_to_token[row, :up_to]
-        ins = self.lifecycle.insert(list(req.full_untruncated_fill_ids[:up_to]), kv_row.tolist())
+        # a finished request writes no more KV: the tree may keep its last page partial, so the
+        # state at its exact end has a key (with pages over one token)
+        ins = self.lifecycle.insert(list(req.full_untruncated_fill_ids[:up_to]), kv_row.tolist(), ragged=finished)
         start = req.kv.cache_protected_len
         if ins.inserted_len > start:
             tree_kv = self.path_device_indices(ins.node)
@@ -266,15 +312,22 @@ class K3RadixCache(BasePrefixCache):
         seq = self.fwd.stash.lookup(active, up_to)
         if seq is not None:
             self.lifecycle.store_exports(req.rid, ins.node, up_to, ExportView(self.fwd.stash, seq))
+        # A running request's last page is still being written, so the tree keeps only its whole
+        # pages: with pages over one token a boundary inside the last page has no key yet, and the
+        # live state is not stored there (the exported 64-token grid state below it stands in).
+        keyed = ins.inserted_len == up_to
         if finished:
             self._consume_export(req)
             req.kv.mamba_pool_idx = None  # donated, queued for its store, or released
-            self.lifecycle.finish(ins.node, up_to, req.kv.kv_committed_len, active, rid=req.rid)
-        else:
+            state_len = req.kv.kv_committed_len if keyed else -1  # -1: matches no boundary, released
+            self.lifecycle.finish(ins.node, ins.inserted_len, state_len, active, rid=req.rid)
+        elif keyed:
             # the slot holds the tokens of every step launched so far (SGLang counts a step in
             # kv_committed_len when it prepares it): under overlap that may be one past up_to
             state_len = req.kv.kv_committed_len
             self.lifecycle.checkpoint_running(req.rid, ins.node, up_to, active, kind, state_len=state_len)
+        else:
+            self.lifecycle.counters.unkeyed_state_skips += 1
 
     def _consume_export(self, req) -> None:
         """The request has checkpointed after its extend: the stash may drop its rows."""
@@ -453,6 +506,7 @@ class K3RadixCache(BasePrefixCache):
             # quantized hits restored at the forward, batched: average batch = restored / flushes
             deferred_restore_flushes=restores.flushes,
             deferred_restores=restores.restored,
+            kv_page_copies=self.kv_page_copies,
         )
         d.update(self.memory_split())
         return d

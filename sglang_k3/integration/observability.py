@@ -92,6 +92,13 @@ COUNTERS: dict[str, str] = {
         "(an aborted request, an overlapped prefill)."
     ),
     "stale_state_skips": "Live-state copies not made: the overlap scheduler had moved the slot past the boundary.",
+    "unkeyed_state_skips": (
+        "States not kept: the boundary ends inside a running request's last KV page (--page-size over 1), "
+        "which the tree does not hold yet."
+    ),
+    "kv_page_copies": (
+        "Restores inside a KV page: the prefix's slots in that page copied to a page of the request's own."
+    ),
     "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
     "memory_blocks_to_active": "Unified memory: blocks active states took over.",
     "memory_blocks_to_checkpoints": "Unified memory: blocks checkpoints took over.",

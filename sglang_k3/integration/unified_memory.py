@@ -236,8 +236,17 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overl
     this configuration has no unified pool (not an MLA + KDA hybrid)."""
     kv_pool = mla_pool_of(token_to_kv_pool)
     mamba_pool = getattr(req_to_token_pool, "mamba_pool", None)
-    if kv_pool is None or mamba_pool is None or getattr(allocator, "page_size", 1) != 1:
-        logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid at page size 1; pools left as SGLang built them")
+    if kv_pool is None or mamba_pool is None:
+        logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid; pools left as SGLang built them")
+        return None
+    if getattr(allocator, "page_size", 1) != 1:
+        # The unified KV allocator hands out single token slots from blocks it shares with
+        # states; a paged one is not built yet. The fixed pools serve (--k3-checkpoint-slots).
+        logger.warning(
+            "sglang-k3 unified memory: needs --page-size 1 (got %d); serving with SGLang's KV and state "
+            "pools and a checkpoint pool of --k3-checkpoint-slots",
+            allocator.page_size,
+        )
         return None
     ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size, overlap=overlap)
     g = ledger.geom
