@@ -1,7 +1,10 @@
 """Live A/B of the k3 radix cache against SGLang's own hybrid cache: ``python -m benchmarks.live_ab``.
 
 Starts two real servers from this repo (``python -m sglang_k3.launch_server``), identical except
-``--radix-cache-backend k3`` vs ``--radix-cache-backend upstream``, and drives both with the same
+``--radix-cache-backend k3`` vs ``--radix-cache-backend upstream``, each at ``launch_server``'s
+defaults (upstream: SGLang's own resolution, ``extra_buffer`` with the overlap scheduler on;
+``--upstream-server-args "--mamba-radix-cache-strategy no_buffer"`` gives the ``no_buffer``
+baseline, overlap off), and drives both with the same
 workloads, one server at a time (the other sits idle with ``--sleep-on-idle``), flushing the cache
 before each workload:
 
@@ -97,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help='extra flags for the k3 server only (e.g. "--k3-checkpoint-dtype fp32"); recorded in the JSON',
     )
-    g.add_argument("--upstream-server-args", default="", help="extra flags for the upstream server only")
+    g.add_argument(
+        "--upstream-server-args",
+        default="",
+        help="extra flags for the upstream server only (default none: SGLang's own default, extra_buffer "
+        "with the overlap scheduler on; '--mamba-radix-cache-strategy no_buffer' for the no_buffer baseline)",
+    )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
         "--out",

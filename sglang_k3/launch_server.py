@@ -64,17 +64,28 @@ def _value(argv: list[str], flag: str) -> str | None:
 
 
 def _cpu_defaults_for(argv: list[str]) -> list[tuple[str, str | None]]:
-    """The CPU defaults, with ``--disable-overlap-schedule`` only where SGLang needs it: for its
-    own cache under ``no_buffer`` (it asserts so, ``arg_groups/mamba_hook.py::
-    validate_mamba_no_buffer``, and so for a cache-off server). ``extra_buffer``'s own default is
-    overlap on, and the k3 cache runs under the overlap scheduler
-    (``patches/mamba_no_buffer_overlap.py``)."""
+    """The CPU defaults, less what SGLang should decide itself:
+
+    * k3: ``no_buffer`` (k3 takes its states itself) with the overlap scheduler on
+      (``patches/mamba_no_buffer_overlap.py``), as SGLang runs by default;
+    * SGLang's own cache with no strategy given: neither strategy nor overlap is added, so SGLang
+      resolves its real default (``arg_groups/overrides.py::_mamba_radix_cache_resolution``:
+      ``extra_buffer`` with the overlap scheduler on, which runs on CPU through
+      ``patches/mamba_track_states.py``);
+    * ``no_buffer`` given for SGLang's own cache, or a cache-off server: the overlap scheduler off
+      (SGLang asserts it for ``no_buffer``, ``arg_groups/mamba_hook.py::validate_mamba_no_buffer``;
+      the cache-off server is the differential tests' oracle and stays as it was)."""
     strategy = _value(argv, "--mamba-radix-cache-strategy")
     backend = _value(argv, "--radix-cache-backend")
-    k3 = backend == "k3" and not _given(argv, "--disable-radix-cache")
-    if not k3 and strategy in (None, "no_buffer"):
-        return CPU_DEFAULTS
-    return [d for d in CPU_DEFAULTS if d[0] != "--disable-overlap-schedule"]
+    cache_off = _given(argv, "--disable-radix-cache")
+    drop: set[str] = set()
+    if backend == "k3" and not cache_off:
+        drop.add("--disable-overlap-schedule")
+    elif not cache_off and strategy is None:
+        drop |= {"--mamba-radix-cache-strategy", "--disable-overlap-schedule"}
+    elif strategy not in (None, "no_buffer"):
+        drop.add("--disable-overlap-schedule")
+    return [d for d in CPU_DEFAULTS if d[0] not in drop]
 
 
 def _check_backend_strategy(argv: list[str]) -> None:

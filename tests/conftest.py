@@ -19,7 +19,10 @@ from server_utils import Server  # noqa: E402
 # Flags per configuration, on top of launch_server's defaults (embedded model, CPU defaults).
 SERVER_CONFIGS: dict[str, list[str]] = {
     "nocache": ["--disable-radix-cache"],
-    "upstream": ["--radix-cache-backend", "upstream"],
+    # SGLang's own cache with no_buffer (states copied at request ends), overlap off (SGLang
+    # asserts it there): the baseline the earlier tests were written against. launch_server's
+    # default for SGLang's own cache is extra_buffer (upstream_extra_buffer below).
+    "upstream": ["--radix-cache-backend", "upstream", "--mamba-radix-cache-strategy", "no_buffer"],
     # Upstream at its real GPU default for Kimi Linear: extra_buffer (states tracked into spare
     # slots) with the overlap scheduler on (launch_server leaves it on for extra_buffer), on CPU
     # through patches/mamba_track_states.py and patches/schedule_batch_decode_pin.py.

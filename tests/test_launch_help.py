@@ -49,18 +49,23 @@ def test_k3_heading_is_near_the_top(help_lines):
     assert help_lines.index("sglang-k3:") < help_lines.index("SGLang options:")
 
 
-def test_cpu_defaults_keep_the_overlap_scheduler_for_extra_buffer(monkeypatch):
-    """No-buffer (the CPU default) needs the overlap scheduler off; a user who picks upstream's
-    extra_buffer gets upstream's own default, overlap on."""
+def test_cpu_defaults_leave_upstreams_strategy_to_sglang(monkeypatch):
+    """SGLang's own cache gets SGLang's real default (no strategy and no overlap flag added: it
+    resolves extra_buffer with the overlap scheduler on); a user who picks no_buffer gets the
+    overlap scheduler off, which SGLang asserts there; the cache-off oracle stays no_buffer."""
     from sglang_k3 import launch_server as L
 
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
     base = ["--model-path", "/m", "--radix-cache-backend", "upstream"]
     plain, _ = L.build_argv(base)
-    assert "--disable-overlap-schedule" in plain and "no_buffer" in plain
+    assert "--disable-overlap-schedule" not in plain and "--mamba-radix-cache-strategy" not in plain
+    nb, _ = L.build_argv(base + ["--mamba-radix-cache-strategy", "no_buffer"])
+    assert "--disable-overlap-schedule" in nb and nb.count("--mamba-radix-cache-strategy") == 1
     eb, _ = L.build_argv(base + ["--mamba-radix-cache-strategy", "extra_buffer"])
     assert "--disable-overlap-schedule" not in eb and "no_buffer" not in eb
     assert eb.count("--mamba-radix-cache-strategy") == 1
+    off, _ = L.build_argv(["--model-path", "/m", "--disable-radix-cache"])
+    assert "--disable-overlap-schedule" in off and "no_buffer" in off
 
 
 def test_k3_runs_with_the_overlap_scheduler_by_default(monkeypatch):
