@@ -84,25 +84,13 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3_page64": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64"],
     "k3_page64_no_overlap": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64", "--disable-overlap-schedule"],
     "k3_page64_int8": ["--page-size", "64", "--k3-checkpoint-slots", "16"],
-    # Pages of 16 with small chunks and pools (as k3_small): chunk ends, evictions and restores
-    # inside pages all happen; 96-token chunks end on page boundaries but off the 64-token grid.
-    "k3_page16_small": [
-        "--k3-checkpoint-dtype",
-        "fp32",
-        "--page-size",
-        "16",
-        "--chunked-prefill-size",
-        "96",
-        "--max-total-tokens",
-        "1536",
-        "--max-mamba-cache-size",
-        "12",
-        "--k3-decode-checkpoint-interval",
-        "8",
-    ],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],
 }
+
+# Pages of 16 with k3_small's chunks and pools: chunk ends, evictions and restores inside pages all
+# happen; its 96-token chunks end on page boundaries but off the 64-token grid.
+SERVER_CONFIGS["k3_page16_small"] = [*SERVER_CONFIGS["k3_small"], "--page-size", "16"]
 
 _servers: dict[str, Server] = {}  # least recently used first
 # Servers kept alive at once. Each takes 1-3 GB in three processes; with every configuration alive
