@@ -312,21 +312,19 @@ class K3RadixCache(BasePrefixCache):
         seq = self.fwd.stash.lookup(active, up_to)
         if seq is not None:
             self.lifecycle.store_exports(req.rid, ins.node, up_to, ExportView(self.fwd.stash, seq))
-        # A running request's last page is still being written, so the tree keeps only its whole
-        # pages: with pages over one token a boundary inside the last page has no key yet, and the
-        # live state is not stored there (the exported 64-token grid state below it stands in).
-        keyed = ins.inserted_len == up_to
-        if finished:
+        if finished:  # its insert was ragged: the tree holds all of up_to
             self._consume_export(req)
             req.kv.mamba_pool_idx = None  # donated, queued for its store, or released
-            state_len = req.kv.kv_committed_len if keyed else -1  # -1: matches no boundary, released
-            self.lifecycle.finish(ins.node, ins.inserted_len, state_len, active, rid=req.rid)
-        elif keyed:
+            self.lifecycle.finish(ins.node, up_to, req.kv.kv_committed_len, active, rid=req.rid)
+        elif ins.inserted_len == up_to:
             # the slot holds the tokens of every step launched so far (SGLang counts a step in
             # kv_committed_len when it prepares it): under overlap that may be one past up_to
             state_len = req.kv.kv_committed_len
             self.lifecycle.checkpoint_running(req.rid, ins.node, up_to, active, kind, state_len=state_len)
         else:
+            # A running request's last page is still being written, so the tree keeps only its
+            # whole pages: with pages over one token a boundary inside the last page has no key
+            # yet, and the live state is not stored there (the exported grid state below stands in).
             self.lifecycle.counters.unkeyed_state_skips += 1
 
     def _consume_export(self, req) -> None:
