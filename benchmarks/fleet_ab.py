@@ -155,15 +155,7 @@ def failover_probe(fleet: LocalFleet, vocab, args) -> dict:
         failed += r.error is not None
         convs[key] = ids + r.output_ids + [rng.choice(vocab) for _ in range(64)]
 
-    def owners() -> dict[str, set]:
-        out = {}
-        for srv in fleet.instances:
-            if srv.alive():
-                info = requests.get(srv.url + "/k3_fleet_info", params={"list_keys": True}, timeout=60).json()
-                out[srv.url] = set(info["session_keys"])
-        return out
-
-    before = owners()
+    before = fleet.session_keys()
     home = {k: next(u for u, keys in before.items() if k in keys) for k in convs}
     victim = max(before, key=lambda u: sum(1 for k in convs if home[k] == u))
     moved = [k for k in convs if home[k] == victim]
@@ -175,7 +167,7 @@ def failover_probe(fleet: LocalFleet, vocab, args) -> dict:
         failed += r.error is not None
         if key in moved and r.error is None:
             prompt, cached = prompt + r.prompt_tokens, cached + r.cached_tokens
-    after = owners()
+    after = fleet.session_keys()
     landed: dict[str, int] = {}
     for k in moved:
         for u, keys in after.items():

@@ -49,17 +49,8 @@ def _send(url: str, ids: list[int], key: str) -> dict:
     return r.json()
 
 
-def _keys_by_instance(f: LocalFleet) -> dict[str, set[str]]:
-    out = {}
-    for srv in f.instances:
-        if srv.alive():
-            info = requests.get(srv.url + "/k3_fleet_info", params={"list_keys": True}, timeout=30).json()
-            out[srv.url] = set(info["session_keys"])
-    return out
-
-
 def _served_by(f: LocalFleet, key: str) -> list[str]:
-    return [url for url, keys in _keys_by_instance(f).items() if key in keys]
+    return [url for url, keys in f.session_keys(timeout=30).items() if key in keys]
 
 
 def test_sessions_stick_to_one_instance_and_spread_over_the_fleet(fleet):
@@ -179,7 +170,7 @@ def test_a_killed_instance_s_sessions_continue_on_their_secondaries(fleet):
         assert out["output_ids"] == plain.generate(ids, NEW)["output_ids"], key
         if key in moved:
             moved_cached += out["meta_info"]["cached_tokens"]
-    after = _keys_by_instance(f)
+    after = f.session_keys(timeout=30)
     landed = Counter(next(u for u, keys in after.items() if k in keys) for k in moved)
     stayed = [k for k, u in before.items() if u != victim_url and k not in after[u]]
     print(f"\nkilled {victim_url} holding {len(moved)} of {len(convs)} sessions; they moved to {dict(landed)}")

@@ -15,7 +15,10 @@ import os
 import sys
 from typing import Callable, Optional
 
+import requests
+
 from sglang_k3.fleet.instance import Server
+from sglang_k3.fleet.instance_info import INFO_PATH
 from sglang_k3.fleet.router_process import RouterProcess
 
 # What every instance runs with unless the spec says otherwise: the shared L3 with
@@ -124,6 +127,16 @@ class LocalFleet:
         ).start()
         self.progress(f"fleet: router ({policy}) on {self.router.url} in front of {len(urls)} instances")
         return self.router
+
+    def session_keys(self, timeout: float = 60) -> dict[str, set[str]]:
+        """Per live instance (by URL), the session keys (``X-SMG-Routing-Key``) it was sent, as
+        the instance itself lists them (``GET /k3_fleet_info?list_keys=true``)."""
+        out = {}
+        for srv in self.instances:
+            if srv.alive():
+                info = requests.get(srv.url + INFO_PATH, params={"list_keys": True}, timeout=timeout).json()
+                out[srv.url] = set(info["session_keys"])
+        return out
 
     def stop(self) -> None:
         if self.router is not None:
