@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sglang_k3.fleet.local_fleet import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_BYTES, FleetSpec, LocalFleet  # noqa: E402
 from sglang_k3.fleet.router_process import POLICIES  # noqa: E402
 from sglang_k3.fleet.status import fleet_status, format_table  # noqa: E402
-from sglang_k3.tiers.mooncake_master import parse_size  # noqa: E402
+from sglang_k3.tiers.mooncake_master import size_arg  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,18 +95,8 @@ def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Fle
         ap.error("--router-port must be a TCP port")
     if args.status_interval < 0:
         ap.error("--status-interval must be >= 0")
-    try:
-        seg = parse_size(args.segment)
-    except ValueError:
-        ap.error(f"--segment: not a size: {args.segment!r} (e.g. 256mb, 1gb)")
-    if seg < 16 << 20:
-        ap.error("--segment must be at least 16mb")
-    try:
-        store = parse_size(args.store_segment)
-    except ValueError:
-        ap.error(f"--store-segment: not a size: {args.store_segment!r} (e.g. 1gb, 0)")
-    if store and store < 16 << 20:
-        ap.error("--store-segment must be 0 or at least 16mb")
+    seg = size_arg(ap, "--segment", args.segment, at_least="16mb")
+    store = size_arg(ap, "--store-segment", args.store_segment, at_least="16mb", zero_ok=True, example="1gb, 0")
     if args.admission_shares and not args.admission_thresholds:
         ap.error("--admission-shares needs --admission-thresholds")
     extra = list(args.instance_args)

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sglang_k3.tiers.mooncake_master import MooncakeMaster, parse_size  # noqa: E402
+from sglang_k3.tiers.mooncake_master import MooncakeMaster, size_arg  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,10 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help="also hold a standalone store client's segment")
     ap.add_argument("--log", default=None, help="master log file (default /tmp/mooncake_master_<port>.log)")
     args = ap.parse_args(argv)
-    try:
-        seg = parse_size(args.segment)
-    except ValueError:
-        ap.error(f"--segment: not a size: {args.segment!r} (e.g. 4gb, 512mb)")
+    seg = size_arg(ap, "--segment", args.segment, example="4gb, 512mb")
     master = MooncakeMaster(args.rpc_port, args.metadata_port, args.metrics_port, args.log).start()
     client = None
     try:

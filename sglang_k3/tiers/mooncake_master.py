@@ -30,6 +30,20 @@ def parse_size(s: str) -> int:
     return int(s)
 
 
+def size_arg(
+    ap, flag: str, value: str, *, at_least: str = "", zero_ok: bool = False, example: str = "256mb, 1gb"
+) -> int:
+    """``value`` of the size flag ``flag`` in bytes, or ``ap.error`` saying why not: not a size, or
+    under ``at_least`` (``zero_ok``: 0, meaning off, is allowed too). The scripts' one check."""
+    try:
+        n = parse_size(value)
+    except ValueError:
+        ap.error(f"{flag}: not a size: {value!r} (e.g. {example})")
+    if at_least and n < parse_size(at_least) and not (zero_ok and n == 0):
+        ap.error(f"{flag} must be {'0 or ' if zero_ok else ''}at least {at_least}")
+    return n
+
+
 class MooncakeMaster:
     def __init__(
         self,

@@ -60,14 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--segment", required=True, help="memory to hold, e.g. 1gb or 536870912")
     ap.add_argument("--hostname", default="127.0.0.1", help="this client's address (default 127.0.0.1)")
     args = ap.parse_args(argv)
-    from sglang_k3.tiers.mooncake_master import parse_size
+    from sglang_k3.tiers.mooncake_master import size_arg
 
-    try:
-        seg = parse_size(args.segment)
-    except ValueError:
-        ap.error(f"--segment: not a size: {args.segment!r}")
-    if seg < 16 << 20:
-        ap.error("--segment must be at least 16mb")
+    seg = size_arg(ap, "--segment", args.segment, at_least="16mb")
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
