@@ -42,11 +42,18 @@ class GroupProcess:
         return self.proc
 
     def wait_until(
-        self, ready: Callable[[], bool], timeout: float, interval: float, what: str, error=RuntimeError
+        self,
+        ready: Callable[[], bool],
+        timeout: float,
+        interval: float,
+        what: str,
+        error=RuntimeError,
+        since: Optional[float] = None,
     ) -> None:
         """Poll ``ready()`` every ``interval`` s until it is true. If the process exits first, or
-        ``timeout`` passes, stop it and raise ``error`` naming ``what``, with the log's tail."""
-        deadline = time.time() + timeout
+        ``timeout`` passes (counted from ``since``, a ``time.time()``; default now), stop it and
+        raise ``error`` naming ``what``, with the log's tail."""
+        deadline = (time.time() if since is None else since) + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 code = self.proc.returncode

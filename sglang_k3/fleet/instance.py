@@ -83,24 +83,19 @@ class Server(GroupProcess):
         return self
 
     def wait_healthy(self) -> "Server":
-        while time.time() - self._t0 < self.start_timeout:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.stop()
-                raise ServerStartError(
-                    f"server {self.name} exited with {code} (log {self.log_path}):\n{self.log_tail()}"
-                )
+        """Wait for ``/health``; ``start_timeout`` counts from :meth:`launch` (servers launched
+        together boot together)."""
+
+        def healthy() -> bool:
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    self.start_seconds = time.time() - self._t0
-                    return self
+                return requests.get(self.url + "/health", timeout=5).status_code == 200
             except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerStartError(
-            f"server {self.name} not healthy in {self.start_timeout}s (log {self.log_path}):\n{self.log_tail()}"
-        )
+                return False
+
+        what = f"server {self.name}"
+        self.wait_until(healthy, self.start_timeout, 1.0, what, error=ServerStartError, since=self._t0)
+        self.start_seconds = time.time() - self._t0
+        return self
 
     def start(self) -> "Server":
         return self.launch().wait_healthy()
