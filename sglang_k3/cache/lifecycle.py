@@ -42,7 +42,7 @@ from sglang_k3.cache.tree import K3RadixTree
 logger = logging.getLogger(__name__)
 
 # The KDA kernel's chunk: prefills export states at its multiples (the grid k3's restore points
-# sit on, besides request ends).
+# sit on, besides request ends). The export stash (sglang_k3/state/export_stash.py) reads it.
 STATE_GRID = 64
 
 

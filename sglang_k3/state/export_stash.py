@@ -51,7 +51,9 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
-CHUNK = 64  # the KDA kernel's chunk: h[i] is the state after CHUNK * i tokens of the extend
+from sglang_k3.cache.lifecycle import STATE_GRID
+
+CHUNK = STATE_GRID  # the KDA kernel's chunk: h[i] is the state after CHUNK * i tokens of the extend
 
 
 @dataclasses.dataclass
