@@ -14,10 +14,11 @@ would be stored one decode token late). The k3 cache does not depend on that ord
   (``sglang_k3/state/export_stash.py``), which later forwards do not overwrite.
 
 The same check asserts ``--page-size 1``: upstream's ``no_buffer`` keys its single state per
-node at any token. The k3 tree keeps whole KV pages and stores states only at page boundaries
-(a state whose boundary ends inside a page is not kept, the 64-token grid state below it is), so
-for k3 a page size that divides 64 passes; ``launch_server`` and the cache refuse others with
-the reason (``sglang_k3.cache.lifecycle.check_page_size``).
+node at any token. The k3 tree keeps whole KV pages of a running request (a boundary inside its
+last page is not stored; the 64-token grid state below it is), keeps a finished request's partial
+last page with the state at its exact end, and copies that page's slots when a request restores
+inside it; so for k3 a page size that divides 64 passes (``check_page_size``), and
+``launch_server`` and the cache refuse others with the reason.
 
 So for a k3 backend this AROUND hook lets the overlap scheduler stay on and the page size be one
 that k3 takes, and still checks ``no_buffer``'s other condition (no ``trtllm_mha``). Every other
@@ -47,8 +48,18 @@ class _OverlapAllowed:
             return True
         if name == "page_size":
             page = getattr(self._view, name)
-            return 1 if page and 64 % page == 0 else page  # others: upstream's assertion stands
+            return 1 if page and _k3_serves(page) else page  # others: upstream's assertion stands
         return getattr(self._view, name)
+
+
+def _k3_serves(page: int) -> bool:
+    from sglang_k3.cache.lifecycle import check_page_size
+
+    try:
+        check_page_size(page)
+    except ValueError:
+        return False
+    return True
 
 
 def validate_no_buffer(original_fn, view, *args, **kwargs):
