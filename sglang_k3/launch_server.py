@@ -112,14 +112,9 @@ def _check_page_size(argv: list[str], cfg: K3Config) -> None:
     from sglang_k3.cache.lifecycle import check_page_size
 
     try:
-        page = int(value)
-        check_page_size(page)
+        check_page_size(int(value), with_tiers=cfg.host_tier_gib > 0 or cfg.mooncake)
     except ValueError as e:
         raise SystemExit(f"--page-size {value}: {e}") from None
-    if page > 1 and (cfg.host_tier_gib > 0 or cfg.mooncake):
-        raise SystemExit(
-            f"--page-size {value}: the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1"
-        )
 
 
 def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:

@@ -780,17 +780,20 @@ def build_tree(eviction: EvictionPolicy, page_size: int = 1) -> K3RadixTree:
     )
 
 
-def check_page_size(page_size: int) -> None:
+def check_page_size(page_size: int, with_tiers: bool = False) -> None:
     """The page sizes k3 serves (and is tested at): those that divide 64. A prefill that starts on
     a page boundary then exports its 64-token grid states on page boundaries, inside the whole
     pages the tree takes from a running request; with larger pages the grid states near a prompt
     end would more often fall in the request's last, unfinished page, which the tree does not hold
     yet. Request ends inside a page are kept as ragged leaves (:meth:`K3RadixTree.insert`), and a
-    restore inside a page is copied out of it (``kv_cow_tokens``)."""
+    restore inside a page is copied out of it (``kv_cow_tokens``). ``with_tiers``: the lower
+    tiers move KV token by token and need page size 1."""
     if page_size < 1 or STATE_GRID % page_size:
         raise ValueError(
             f"the k3 cache needs a page size that divides {STATE_GRID} (1, 2, 4, 8, 16, 32 or 64), got {page_size}"
         )
+    if with_tiers and page_size > 1:
+        raise ValueError("the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1")
 
 
 def build_lifecycle(
