@@ -70,12 +70,7 @@ class Harness:
         assert not pages & held, f"pages {sorted(pages & held)} freed while the tree holds slots in them"
 
     def tree_kv(self):
-        out, stack = [], list(self.tree.root.children.values())
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            out.extend(n.kv)
-        return out
+        return [i for _, i in self._positions()]
 
     def step(self, name, b, n, s, r):
         t, rnd = self.tree, random.Random(r)
