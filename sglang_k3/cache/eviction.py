@@ -5,6 +5,16 @@ tokens whose nearest earlier checkpoint is at 0 saves the whole 100k-token prefi
 after another checkpoint saves almost nothing, yet both hold the same 40 MiB. Scores are
 normalised over the candidate set (min-max) so ``alpha`` weighs the two terms independent of
 units; ``alpha = 0`` is pure LRU.
+
+What the waiting queue wants goes last. When SGLang refreshes the waiting requests' prefixes
+(:meth:`~sglang_k3.cache.tree.K3RadixTree.touch`), the tree learns which checkpoints they will
+restore from and in what order they will be admitted: a candidate such a request wants is a
+*known* future use, the others are guesses. So every unwanted candidate goes before any wanted
+one, and wanted ones go from the queue's tail to its head: the one needed last goes first
+(Belady's MIN, with the queue as the lookahead). Under plain LRU a turn that just finished is
+the most recent and outlives the turns queued before it, so when many conversations share a
+budget too small for all of them, each is evicted just before its next turn comes (the live
+A/B's ``multiturn`` under ``--pressure``).
 """
 
 from __future__ import annotations
@@ -33,12 +43,15 @@ class EvictionPolicy:
 
 @dataclass(frozen=True)
 class Candidate:
-    """Something evictable: ``last_access`` (logical clock), ``saved_flops`` and ``nbytes``."""
+    """Something evictable: ``last_access`` (logical clock), ``saved_flops`` and ``nbytes``;
+    ``wanted``: when a waiting request last asked for it (the clock of that refresh's touch, the
+    queue's head touched last), 0 when none does."""
 
     obj: object
     last_access: int
     saved_flops: float
     nbytes: int
+    wanted: int = 0
 
 
 def _norm(values: Sequence[float]) -> list[float]:
@@ -49,16 +62,18 @@ def _norm(values: Sequence[float]) -> list[float]:
 
 
 def rank(cands: Sequence[Candidate], alpha: float) -> list[Candidate]:
-    """Lowest utility first; ties broken by older access first (LRU), then by insertion order.
+    """Candidates no waiting request wants first, lowest utility first, ties broken by older
+    access first (LRU), then by insertion order; then the wanted ones, the queue's tail first.
 
     Min-max normalisation ties often: of two candidates, one newer and one more efficient, both
     score exactly 1 at ``alpha = 1``. Breaking that tie by efficiency instead was measured and
     rejected: it kept a finished prompt group's hot state over the next group's fresh one on the
     live A/B's ``gsp`` under pressure (hit rate 0.109 -> 0.071)."""
-    if not cands:
-        return []
-    rec = _norm([float(c.last_access) for c in cands])
-    eff = _norm([c.saved_flops / max(1, c.nbytes) for c in cands])
-    scored = [(rec[i] + alpha * eff[i], c.last_access, i) for i, c in enumerate(cands)]
-    scored.sort()
-    return [cands[i] for *_, i in scored]
+    free = [c for c in cands if not c.wanted]
+    wanted = sorted((c for c in cands if c.wanted), key=lambda c: c.wanted)
+    if not free:
+        return wanted
+    rec = _norm([float(c.last_access) for c in free])
+    eff = _norm([c.saved_flops / max(1, c.nbytes) for c in free])
+    scored = sorted((rec[i] + alpha * eff[i], c.last_access, i) for i, c in enumerate(free))
+    return [free[i] for *_, i in scored] + wanted

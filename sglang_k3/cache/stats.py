@@ -30,6 +30,8 @@ class CacheStats:
     evicted_checkpoints: int = 0
     evicted_checkpoint_bytes: int = 0
     recycled_checkpoints: int = 0
+    waiting_refreshes: int = 0  # runs of touch(): refreshes of the waiting queue's prefixes
+    evicted_wanted_checkpoints: int = 0  # of evicted_checkpoints, ones a waiting request wanted
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
 
     @property

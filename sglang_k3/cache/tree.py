@@ -102,6 +102,11 @@ class K3RadixTree:
         self._pending: set[int] = set()
         self._stuck: set[int] = set()  # ids of checkpoints that cannot be evicted now
         self._stuck_bytes = 0
+        # The waiting queue's last refresh: a run of touch() calls with nothing else between them
+        # (SGLang touches the whole queue in one loop). It started at clock _wanted_since; a
+        # checkpoint touched in it is wanted by a waiting request (Checkpoint.wanted).
+        self._wanted_since = 1 << 62
+        self._last_touch = -1
         self._evictable_tokens = 0
         self._protected_tokens = 0
         self.stats.checkpoints = 0
@@ -220,9 +225,32 @@ class K3RadixTree:
         """Make ``key``'s cached path and the checkpoint a match would restore from the most
         recently used, as a lookup would, without pinning or counting a lookup (a waiting
         request's refresh: it is about to be matched, so what it will hit should not be evicted
-        first). Returns the restore length it would get."""
+        first). Returns the restore length it would get.
+
+        The checkpoint also becomes *wanted*: eviction takes it only after everything no waiting
+        request wants (:func:`~sglang_k3.cache.eviction.rank`). Touches with nothing else between
+        them are one refresh of the queue, tail first: the first touch of a new run ends the last
+        refresh's wants (those requests were admitted, or left), and within a run the later touch
+        (nearer the queue's head) is kept longer. An admitted match ends its checkpoint's want."""
+        if self._clock != self._last_touch:
+            self._wanted_since = self._clock + 1
+            self.stats.waiting_refreshes += 1
         best = self._lookup(key)[3]
-        return best.pos if best is not None else 0
+        self._last_touch = self._clock
+        if best is None:
+            return 0
+        best.wanted = self._clock
+        return best.pos
+
+    def end_wants(self) -> None:
+        """No request waits (the queue emptied): the last refresh's wants end (a request of it
+        that left without a match, e.g. aborted, would otherwise keep its checkpoint wanted)."""
+        self._wanted_since = 1 << 62
+
+    def wanted(self, ck: Checkpoint) -> int:
+        """The clock of the touch by which a waiting request of the last refresh wants ``ck``,
+        0 when none does."""
+        return ck.wanted if ck.wanted >= self._wanted_since else 0
 
     def match_prefix(self, key: Sequence[int], pin: bool = True) -> MatchResult:
         """Two-phase lookup; with ``pin`` the hit is pinned before returning (invariant 1)."""
@@ -245,6 +273,7 @@ class K3RadixTree:
         )
         if best is not None and pin:
             best.hits += 1
+            best.wanted = 0  # admitted: the want the waiting queue's refresh recorded is served
             best.superseded = False  # a hit: it serves more than a repeat that may never come
             best.pins += 1
             self.inc_lock_ref(best.node)  # type: ignore[arg-type]
@@ -627,6 +656,7 @@ class K3RadixTree:
 
     def evict_checkpoint(self, ck: Checkpoint) -> Freed:
         """Drop ``ck`` as an eviction (every group; its KV stays) and count it."""
+        self.stats.evicted_wanted_checkpoints += bool(self.wanted(ck))
         freed = self.drop_checkpoint(ck, DropReason.EVICTED)
         self.stats.evicted_checkpoints += 1
         self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
@@ -638,7 +668,7 @@ class K3RadixTree:
         if got >= need:
             return freed
         cands = [
-            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes)
+            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c))
             for c in self._ckpts.values()
             if self.checkpoint_evictable(c)
         ]
@@ -682,6 +712,7 @@ class K3RadixTree:
                     n.last_access,
                     sum(self.expected_saving(c) for c in n.checkpoints.values()),
                     self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes(),
+                    max((self.wanted(c) for c in n.checkpoints.values()), default=0),
                 )
                 for n in whole
             ]
@@ -747,6 +778,7 @@ class K3RadixTree:
             max(c.last_access for c in cks),
             sum(self.expected_saving(c) for c in cks),
             sum(c.nbytes + self._kv_freed_with(c) for c in cks),
+            max(self.wanted(c) for c in cks),
         )
 
     def rank_checkpoint_groups(self, groups: Sequence[list[Checkpoint]]) -> list[list[Checkpoint]]:
@@ -760,10 +792,11 @@ class K3RadixTree:
         self, need: int, freed: Freed, keep: int, group: Optional[Callable[[Checkpoint], int]]
     ) -> int:
         """Superseded checkpoints (each serves only a repeat of its prompt) go before anything
-        priced, least recently used first; with ``group``, only whole groups (a group's other
-        checkpoints go along only if they are superseded too). Returns the bytes freed."""
+        priced, least recently used first, unless a waiting request wants one (that repeat is
+        queued); with ``group``, only whole groups (a group's other checkpoints go along only if
+        they are superseded too). Returns the bytes freed."""
         sup = sorted(
-            (c for c in self._ckpts.values() if c.superseded and self.checkpoint_evictable(c)),
+            (c for c in self._ckpts.values() if c.superseded and self.checkpoint_evictable(c) and not self.wanted(c)),
             key=lambda c: c.last_access,
         )
         if group is not None:

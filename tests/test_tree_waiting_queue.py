@@ -1,0 +1,123 @@
+"""Eviction reads the waiting queue: what a queued request will restore from goes last, the
+queue's tail first (``K3RadixTree.touch``, ``eviction.rank``). Torch-free."""
+
+import random
+
+from int_pools import IntPool
+
+from sglang_k3.cache import EvictionPolicy, K3RadixTree
+
+
+def build(alpha=1.0):
+    tree = K3RadixTree(num_groups=1, page_size=1, hit_unit=64, eviction=EvictionPolicy(alpha=alpha))
+    return tree, IntPool(100_000), IntPool(1000)
+
+
+def conversation(tree, kv, h, tag, length=256):
+    """A finished turn: its KV and the checkpoint at its end."""
+    key = [tag] * length
+    node = tree.insert(key, kv.alloc(length)).node
+    return key, tree.add_checkpoint(node, length, h.alloc(1), nbytes=1000, ready=True)
+
+
+def refresh(tree, queue):
+    """SGLang's refresh: the waiting requests' prompts touched tail first, head last."""
+    for prompt in reversed(queue):
+        tree.touch(prompt)
+
+
+def evicted_order(tree, n):
+    out = []
+    for _ in range(n):
+        freed = tree.evict(num_bytes=1)
+        assert len(freed.handles) == 1
+        out.append(freed.handles[0])
+    return out
+
+
+def test_unwanted_go_first_then_the_queue_from_its_tail():
+    tree, kv, h = build()
+    convs = [conversation(tree, kv, h, tag) for tag in range(1, 7)]
+    queue = [convs[i][0] + [99] for i in (4, 1, 3)]  # next turns of 5, 2, 4 wait, in this order
+    refresh(tree, queue)
+    ck = [c for _, c in convs]
+    # 1, 3, 6 no one waits for (oldest first, as LRU); then the queue's tail (4), 2, and the head (5) last
+    assert evicted_order(tree, 6) == [ck[i].handles[0] for i in (0, 2, 5, 3, 1, 4)]
+    tree.check_invariants()
+
+
+def test_a_turn_that_finished_after_the_refresh_goes_before_the_queued_ones():
+    """Plain LRU keeps the turn that just finished (the most recent) and evicts the queued turns'
+    states: under a budget too small for all conversations, each is lost just before its turn."""
+    tree, kv, h = build(alpha=0)
+    convs = [conversation(tree, kv, h, tag) for tag in range(1, 4)]
+    refresh(tree, [c[0] + [99] for c in convs])  # all three wait, 1 at the head
+    _, fresh = conversation(tree, kv, h, 4)  # a turn finishes; its next turn is not queued yet
+    assert evicted_order(tree, 2) == [fresh.handles[0], convs[2][1].handles[0]]
+
+
+def test_a_new_refresh_ends_the_last_ones_wants():
+    tree, kv, h = build(alpha=0)
+    (ka, a), (kb, b) = conversation(tree, kv, h, 1), conversation(tree, kv, h, 2)
+    refresh(tree, [ka + [9]])
+    assert tree.wanted(a) and not tree.wanted(b)
+    tree.match_prefix([5] * 10, pin=False)  # the scheduler moves on: other lookups, inserts
+    refresh(tree, [kb + [9]])  # a's request was admitted or left
+    assert not tree.wanted(a) and tree.wanted(b)
+    assert evicted_order(tree, 1) == a.handles
+
+
+def test_an_admitted_match_serves_the_want():
+    tree, kv, h = build()
+    ka, a = conversation(tree, kv, h, 1)
+    refresh(tree, [ka + [9]])
+    assert tree.wanted(a)
+    res = tree.match_prefix(ka + [9])
+    assert res.checkpoint is a and not tree.wanted(a)
+    tree.release_pin(res.pin)
+    tree.check_invariants()
+
+
+def test_kv_eviction_spares_the_leaves_the_queue_restores_from():
+    tree, kv, h = build(alpha=0)
+    (ka, _), (kb, b) = conversation(tree, kv, h, 1), conversation(tree, kv, h, 2)
+    refresh(tree, [ka + [9]])
+    tree.match_prefix(kb + [9], pin=False)  # b is the most recent, a is wanted
+    freed = tree.evict(num_tokens=1)
+    assert freed.handles == b.handles and len(freed.kv_indices) == 256
+    assert tree.match_prefix(ka + [9], pin=False).restore_len == 256
+
+
+def test_a_superseded_checkpoint_a_queued_request_wants_is_not_swept_first():
+    tree, kv, h = build(alpha=0)
+    (ka, a), (_, b) = conversation(tree, kv, h, 1), conversation(tree, kv, h, 2)
+    a.superseded = b.superseded = True
+    refresh(tree, [ka + [9]])
+    assert evicted_order(tree, 2) == [b.handles[0], a.handles[0]]
+
+
+def test_random_refreshes_keep_the_order_and_the_invariants():
+    """Seeded: after any refresh, every unwanted checkpoint is evicted before any wanted one,
+    and the wanted ones leave in queue order, tail first."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        tree, kv, h = build(alpha=rng.choice([0.0, 0.3, 1.0]))
+        convs = [conversation(tree, kv, h, tag, 64 * rng.randint(1, 4)) for tag in range(1, 11)]
+        for key, _ in rng.sample(convs, 4):
+            tree.match_prefix(key + [9], pin=False)
+        waiting = rng.sample(convs, rng.randint(1, 6))
+        refresh(tree, [k + [9] for k, _ in waiting])
+        order = evicted_order(tree, len(convs))
+        wanted = [c.handles[0] for _, c in waiting]
+        assert order[len(convs) - len(wanted) :] == wanted[::-1], seed
+        tree.check_invariants()
+
+
+def test_an_emptied_queue_ends_the_wants():
+    tree, kv, h = build(alpha=0)
+    (ka, a), (kb, _) = conversation(tree, kv, h, 1), conversation(tree, kv, h, 2)
+    refresh(tree, [ka + [9]])  # a's request waits, then leaves without a match (aborted)
+    tree.end_wants()
+    assert not tree.wanted(a)
+    tree.match_prefix(kb + [9], pin=False)
+    assert evicted_order(tree, 1) == a.handles  # LRU again
