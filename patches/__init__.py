@@ -39,6 +39,7 @@ PATCH_MODULES: list[str] = [
     "mamba_track_states",
     "schedule_batch_decode_pin",
     "mamba_no_buffer_overlap",
+    "schedule_policy_waiting_refresh",
 ]
 
 _registered = False

@@ -62,6 +62,17 @@ SERVER_CONFIGS: dict[str, list[str]] = {
         "--chunked-prefill-size",
         "256",
     ],
+    # The live A/B's --pressure budget (benchmarks/live_ab.py: 1,536 KV tokens and 12 state slots
+    # as SGLang sizes them, 4 running requests) with fp32 checkpoints, for workloads that cycle
+    # through it (tests/test_waiting_queue_server.py).
+    "k3_cycling": [
+        "--max-total-tokens",
+        "1536",
+        "--max-mamba-cache-size",
+        "12",
+        "--max-running-requests",
+        "4",
+    ],
     # A host tier under a device budget far too small for the workload (1,024 KV tokens, 6 state
     # slots): most hits come back from host memory; prompts also park a state below the device every
     # 128 tokens; fp32 checkpoints so greedy tokens are exact.

@@ -97,6 +97,7 @@ class K3RadixCache(BasePrefixCache):
         # (the room lower tiers may load into is what is left: _tier_room).
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
+        self._evicted_at_refresh = 0  # the tree's evictions when the waiting queue was last refreshed
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
         # Unified memory (the default): KV, active states and checkpoints share one budget that
         # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
@@ -245,6 +246,22 @@ class K3RadixCache(BasePrefixCache):
         tokens = list(key.raw_token_ids())
         self.tree.touch(tokens)
         self.lifecycle.prefetch(tokens)  # lower tiers: start copying its boundary up to host memory
+
+    def refresh_waiting_now(self) -> bool:
+        """Whether SGLang's waiting-queue refresh (:meth:`touch_prefix`) should run at this
+        scheduling call rather than at its own interval (every 32nd call that may admit): yes
+        when the tree evicted since the last such answer. The refresh tells eviction which
+        checkpoints the queued requests will restore from, and in what order they will be
+        admitted (:func:`~sglang_k3.cache.eviction.rank`); under pressure an order 31 calls old
+        misses every request that finished since and queued its next turn. Without evictions
+        the order is not read, and the refresh stays at SGLang's interval
+        (``patches/schedule_policy_waiting_refresh.py``)."""
+        st = self.tree.stats
+        evicted = st.evicted_kv_tokens + st.evicted_checkpoints
+        if evicted == self._evicted_at_refresh:
+            return False
+        self._evicted_at_refresh = evicted
+        return True
 
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``handle`` when its

@@ -81,6 +81,11 @@ COUNTERS: dict[str, str] = {
     "evicted_checkpoints": "Checkpoints evicted.",
     "evicted_checkpoint_bytes": "Checkpoint bytes evicted.",
     "recycled_checkpoints": "Intermediate checkpoints recycled by the per-path placement budget.",
+    "waiting_refreshes": (
+        "Refreshes of the waiting queue's prefixes: what queued requests will restore from is evicted last, "
+        "the queue's tail first."
+    ),
+    "evicted_wanted_checkpoints": "Of evicted_checkpoints, ones a waiting request would have restored from.",
     "deferred_restore_flushes": "Extend forwards that restored quantized checkpoint hits (one launch each).",
     "deferred_restores": "Quantized checkpoint hits restored at their forward (divided by flushes: the batch size).",
     "export_ahead_stored": "Exported states stored into quantized checkpoints, all of a forward's in one launch.",
