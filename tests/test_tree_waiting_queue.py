@@ -67,14 +67,17 @@ def test_a_new_refresh_ends_the_last_ones_wants():
     assert evicted_order(tree, 1) == a.handles
 
 
-def test_an_admitted_match_serves_the_want():
-    tree, kv, h = build()
-    ka, a = conversation(tree, kv, h, 1)
-    refresh(tree, [ka + [9]])
-    assert tree.wanted(a)
-    res = tree.match_prefix(ka + [9])
-    assert res.checkpoint is a and not tree.wanted(a)
+def test_an_admitted_match_keeps_the_want_for_the_rest_of_the_queue():
+    """Other queued requests may restore from the same checkpoint (a shared system prompt): the
+    first one's admission must not expose it to the allocations that follow."""
+    tree, kv, h = build(alpha=0)
+    (ka, a), (kb, b) = conversation(tree, kv, h, 1), conversation(tree, kv, h, 2)
+    refresh(tree, [ka + [9], ka + [8]])
+    res = tree.match_prefix(ka + [9])  # the head is admitted
+    assert res.checkpoint is a and tree.wanted(a)
     tree.release_pin(res.pin)
+    tree.match_prefix(kb + [7], pin=False)  # b becomes the most recent; nothing queued wants it
+    assert evicted_order(tree, 1) == b.handles
     tree.check_invariants()
 
 

@@ -231,7 +231,12 @@ class K3RadixTree:
         request wants (:func:`~sglang_k3.cache.eviction.rank`). Touches with nothing else between
         them are one refresh of the queue, tail first: the first touch of a new run ends the last
         refresh's wants (those requests were admitted, or left), and within a run the later touch
-        (nearer the queue's head) is kept longer. An admitted match ends its checkpoint's want."""
+        (nearer the queue's head) is kept longer. An admitted match does not end a want: other
+        queued requests may restore from the same checkpoint (a shared system prompt's), and the
+        refresh that follows the admission knows. Clearing it there let a batch's first admission
+        expose the shared state to the batch's own allocations: with fp32 checkpoints under the
+        live A/B's pressure budget, whole batches of four then missed the system prompt (5,120
+        cached tokens of 21,760, against 8,276 when the want holds)."""
         if self._clock != self._last_touch:
             self._wanted_since = self._clock + 1
             self.stats.waiting_refreshes += 1
@@ -273,7 +278,6 @@ class K3RadixTree:
         )
         if best is not None and pin:
             best.hits += 1
-            best.wanted = 0  # admitted: the want the waiting queue's refresh recorded is served
             best.superseded = False  # a hit: it serves more than a repeat that may never come
             best.pins += 1
             self.inc_lock_ref(best.node)  # type: ignore[arg-type]
