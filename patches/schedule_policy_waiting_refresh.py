@@ -12,7 +12,8 @@ and the order eviction reads is stale. Around the method, when the cache is k3 a
 since the last refresh (:meth:`~sglang_k3.integration.k3_cache.K3RadixCache.refresh_waiting_now`),
 the call counter is set so that this call refreshes; every other condition of upstream's
 (policy, environment switch, disaggregation mode, eviction policy) is upstream's own. When the
-queue is empty the last refresh's wants end (``K3RadixTree.end_wants``). Without evictions, or
+queue is empty the last refresh's wants end (``K3RadixTree.end_wants``). These extra refreshes
+only touch: the lower tiers' prefetch lookups stay at upstream's interval. Without evictions, or
 with another cache, nothing changes.
 """
 
@@ -33,9 +34,11 @@ def refresh_while_evicting(original, self, policy, waiting_queue):
     elif cache is not None and cache.refresh_waiting_now():
         calls = self._waiting_prefix_refresh_calls
         self._waiting_prefix_refresh_calls = 0  # a count of 0 refreshes at this call
+        cache.eviction_refresh = True  # touch only: no lower-tier prefetch lookups (touch_prefix)
         try:
             return original(self, policy, waiting_queue)
         finally:
+            cache.eviction_refresh = False
             self._waiting_prefix_refresh_calls = calls  # upstream's own interval goes on as it was
     return original(self, policy, waiting_queue)
 

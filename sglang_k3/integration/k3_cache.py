@@ -98,6 +98,7 @@ class K3RadixCache(BasePrefixCache):
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
         self._evicted_at_refresh = 0  # the tree's evictions when the waiting queue was last refreshed
+        self.eviction_refresh = False  # True during a refresh k3 asked for (refresh_waiting_now)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
         # Unified memory (the default): KV, active states and checkpoints share one budget that
         # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
@@ -240,12 +241,16 @@ class K3RadixCache(BasePrefixCache):
         """SGLang refreshes the waiting queue's prefixes (head last) so that LRU eviction spares
         what the next requests will hit (``SchedulePolicy._touch_waiting_prefixes``, every 32
         scheduling calls, on by default): bump the path and the checkpoint a match would restore,
-        and with lower tiers start copying the request's deepest boundary up to host memory."""
+        and with lower tiers start copying the request's deepest boundary up to host memory. The
+        extra refreshes k3 asks for while it evicts (:attr:`eviction_refresh`) only order
+        eviction: they do not look the queue up in the lower tiers again (for Mooncake, a round
+        trip per waiting request at every scheduling call); SGLang's own refreshes still do."""
         if key.extra_key is not None or key.cache_salt is not None or len(key) == 0:
             return
         tokens = list(key.raw_token_ids())
         self.tree.touch(tokens)
-        self.lifecycle.prefetch(tokens)  # lower tiers: start copying its boundary up to host memory
+        if not self.eviction_refresh:
+            self.lifecycle.prefetch(tokens)  # lower tiers: start copying its boundary up to host memory
 
     def refresh_waiting_now(self) -> bool:
         """Whether SGLang's waiting-queue refresh (:meth:`touch_prefix`) should run at this
