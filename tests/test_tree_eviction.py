@@ -205,3 +205,21 @@ def test_evictable_checkpoint_bytes_follow_pins_locks_and_landing():
         tree.dec_lock_ref(m.node)
         assert tree.evictable_checkpoint_bytes() == 100
         tree.check_invariants()
+
+
+def test_kv_under_a_checkpoint_that_cannot_go_yet_is_not_counted_as_freeable():
+    """SGLang admits a prefill against the evictable size and evicts at allocation: KV held under
+    a checkpoint whose copy has not landed (or that is pinned) cannot be freed before then, and
+    counting it stopped a server with "Out of memory" (live A/B, gsp under --pressure)."""
+    tree, kv, h = build(alpha=0)
+    _, na, _ = branch(tree, kv, h, 1, 300, [])
+    pending = tree.add_checkpoint(na, 256, h.alloc(1), nbytes=1000, ready=False)
+    branch(tree, kv, h, 2, 128, [128])
+    assert tree.evictable_size() == 428 and tree.stuck_kv_tokens() == 256
+    freed = tree.evict(num_tokens=10_000)  # all that can go: a's 44 past its checkpoint, b's 128
+    assert len(freed.kv_indices) == 428 - 256
+    assert tree.evictable_size() == tree.stuck_kv_tokens() == 256
+    tree.mark_ready(pending)
+    assert tree.stuck_kv_tokens() == 0
+    assert len(tree.evict(num_tokens=10_000).kv_indices) == 256
+    tree.check_invariants()

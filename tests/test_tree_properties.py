@@ -127,7 +127,12 @@ class Harness:
         elif name == "commit":
             t.commit_step()
         elif name == "evict_kv":
-            self.free(t.evict(num_tokens=n))
+            # what the cache may promise SGLang's admission (evictable less stuck) is freeable;
+            # tokens and slots are the same only at page 1 (a ragged leaf's page counts whole)
+            promised = t.evictable_size() - t.stuck_kv_tokens()
+            freed = t.evict(num_tokens=n)
+            assert self.kv.page_size > 1 or len(freed.kv_indices) >= min(n, promised)
+            self.free(freed)
         elif name == "evict_b":
             self.free(t.evict(num_bytes=n * 10))
         elif name == "recycle" and self.locks:

@@ -135,6 +135,28 @@ class K3RadixTree:
         """KV slots in unlocked nodes (tokens; a ragged leaf's partial page counts whole)."""
         return self._evictable_tokens
 
+    def stuck_kv_tokens(self) -> int:
+        """Of :meth:`evictable_size`, the KV slots no eviction can free now: the unlocked path up
+        to each checkpoint that cannot go yet (its copy has not landed, or it is pinned). Eviction
+        takes a leaf's KV only with its checkpoints, so this KV stays until they can go; a caller
+        that admits work against the evictable size must not count it (SGLang's prefill admission
+        did, then failed its allocation with "Out of memory" and stopped the server). Summed over
+        the stuck checkpoints, which are few (copies of one step, pins, locked paths)."""
+        counted: dict[int, int] = {}
+        for cid in self._stuck:
+            ck = self._ckpts.get(cid)
+            holder = ck.node if ck is not None else None
+            if holder is None or holder.lock_ref:
+                continue  # a locked path is protected already
+            for n in self._path(holder):
+                if n.lock_ref:
+                    break  # ancestors of a locked node are locked too
+                slots = self._slots(n)
+                if n is holder and n.is_leaf:  # a leaf's KV past its last checkpoint can be trimmed
+                    slots = min(slots, self._keep_end(n) - n.start)
+                counted[n.id] = max(counted.get(n.id, 0), slots)
+        return sum(counted.values())
+
     def protected_size(self) -> int:
         """KV slots in locked nodes (tokens; a ragged leaf's partial page counts whole)."""
         return self._protected_tokens

@@ -477,10 +477,14 @@ class K3RadixCache(BasePrefixCache):
         return result
 
     def evictable_size(self) -> int:
-        return self.tree.evictable_size()
+        """KV tokens eviction can free now. SGLang admits a prefill batch against available plus
+        this, then evicts for it at allocation; KV held under a checkpoint whose copy has not
+        landed yet (the overlap scheduler lands a finished request's at the next step) cannot be
+        freed before then, so it counts as protected (:meth:`K3RadixTree.stuck_kv_tokens`)."""
+        return self.tree.evictable_size() - self.tree.stuck_kv_tokens()
 
     def protected_size(self) -> int:
-        return self.tree.protected_size()
+        return self.tree.protected_size() + self.tree.stuck_kv_tokens()
 
     full_evictable_size = evictable_size
     full_protected_size = protected_size
