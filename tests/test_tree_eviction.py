@@ -3,6 +3,7 @@
 from int_pools import IntPool
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, preset
+from sglang_k3.cache.eviction import Candidate, rank
 
 
 def build(alpha=1.0, cost=None, page=1):
@@ -35,6 +36,30 @@ def test_utility_prefers_keeping_checkpoints_that_save_more_flops_per_byte():
     tree.match_prefix(ka + [0], pin=False)  # the cheap one is more recent, but saves little
     freed = tree.evict(num_bytes=1)
     assert freed.handles == a_short.handles
+
+
+def test_efficiency_is_compared_on_a_log_scale_so_one_outlier_does_not_flatten_the_rest():
+    """``outlier`` saves a million times more per byte than ``cheap``, ``mid`` a thousand times
+    more, and ``cheap`` is the newest. On a linear scale the outlier sets the range, ``mid`` and
+    ``cheap`` both score about 0, and recency alone evicts ``mid`` before ``cheap`` (0.8 < 1). On a
+    log scale ``mid`` sits halfway, which outweighs its slightly older access (1.3 > 1)."""
+
+    def order(cands):
+        return [c.obj for c in rank(cands, alpha=1.0)]
+
+    cands = [
+        Candidate("outlier", last_access=0, saved_flops=1e6, nbytes=1),
+        Candidate("mid", last_access=8, saved_flops=1e3, nbytes=1),
+        Candidate("cheap", last_access=10, saved_flops=1.0, nbytes=1),
+    ]
+    got = order(cands)
+    assert got.index("cheap") < got.index("mid")
+    # a candidate that saves nothing scores below every one that saves something, at equal recency
+    nothing = Candidate("nothing", last_access=10, saved_flops=0.0, nbytes=1)
+    got = order([*cands, nothing])
+    assert got.index("nothing") < got.index("cheap")
+    # scale-free: the same ratios in other units rank the same
+    assert order([Candidate(c.obj, c.last_access, c.saved_flops * 1e9, c.nbytes * 7) for c in cands]) == order(cands)
 
 
 def test_superseded_close_checkpoint_saves_little():
