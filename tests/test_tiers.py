@@ -240,3 +240,31 @@ def test_a_tier_load_never_takes_memory_promised_to_other_requests():
     lc.release_pin("b")
     m = lc.match("b", key, admit=True, prompt_len=len(key), tier_room=None)
     assert m.restore_len >= 16 and pol.tiers.counters.loads >= 1
+
+
+@pytest.mark.parametrize(
+    "policy, at_landing, at_first_hit",
+    [("write_back", 0, 0), ("write_through", 1, 0), ("write_through_selective", 0, 1)],
+)
+def test_write_policies_copy_a_boundary_down_when_their_names_say(policy, at_landing, at_first_hit):
+    """SGLang's names: ``write_back`` copies a boundary down only when the device evicts it,
+    ``write_through`` as soon as it lands, ``write_through_selective`` at its first hit."""
+    from array import array
+
+    from benchmarks.policies import SimConfig
+    from benchmarks.policies.k3 import K3Policy
+    from benchmarks.trace.mooncake import SymbolicTrace
+    from sglang_k3.cache import preset
+    from sglang_k3.config import K3Config
+
+    cfg = SimConfig(cost=preset("tiny"), host_budget_bytes=1 << 30)
+    pol = K3Policy(cfg, 1 << 30, K3Config(checkpoint_dtype="int8", tier_write_policy=policy))
+    seq = array("q", range(1000, 1020))
+    trace = SymbolicTrace(64, [0.0], [16 * 64], [4 * 64], [seq], [0], [-1])
+    pol.finish(trace, 0, pol.admit(trace, 0).ctx)  # no eviction: the budget holds everything
+    landed = pol.tiers.counters.saves
+    assert (landed > 0) == bool(at_landing), landed
+    lc = pol.lifecycle
+    lc.match("b", trace.prompt(0) + [5555], admit=True, prompt_len=17)  # the first hit
+    lc.release_pin("b")
+    assert (pol.tiers.counters.saves > landed) == bool(at_first_hit), pol.tiers.counters.saves

@@ -214,17 +214,20 @@ class CacheLifecycle:
             rec.pin = res.pin
             rec.restored = res.checkpoint
             rec.repeat = res.mla_len >= len(tokens) > 0
-            if res.checkpoint is not None and res.checkpoint.hits == 1 and self._writes_through("selective"):
+            if res.checkpoint is not None and res.checkpoint.hits == 1 and self._saves_at_first_hit:
                 self._save(res.checkpoint)
         return res
 
     # ------------------------------------------------------------------ lower tiers
-    def _writes_through(self, which: str = "") -> bool:
-        """Whether the tier policy copies a boundary down before eviction: at landing
-        (``write_through``) or at its first hit (``write_through_selective``)."""
-        if self.tiers is None:
-            return False
-        return self.tiers.write_policy == ("write_through_selective" if which == "selective" else "write_through")
+    @property
+    def _saves_at_landing(self) -> bool:
+        """``write_through``: a boundary is copied down as soon as it lands."""
+        return self.tiers is not None and self.tiers.write_policy == "write_through"
+
+    @property
+    def _saves_at_first_hit(self) -> bool:
+        """``write_through_selective``: a boundary is copied down at its first hit."""
+        return self.tiers is not None and self.tiers.write_policy == "write_through_selective"
 
     def _save(self, ck: Checkpoint) -> None:
         """Copy ``ck`` (landed, in the tree) and its path's KV to the lower tiers now."""
@@ -647,7 +650,7 @@ class CacheLifecycle:
     def _land(self, node: Node, ck: Checkpoint) -> None:
         """``ck``'s write has been issued: make it matchable and apply the path's budget."""
         self.tree.mark_ready(ck)
-        if self._writes_through():
+        if self._saves_at_landing:
             self._save(ck)
         attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
         self._apply(self.tree.recycle_path(node if attached else ck.node, self.placement))
