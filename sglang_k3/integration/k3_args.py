@@ -135,10 +135,10 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=1.0,
         metavar="A",
         help="k3 cache: eviction ranks KV and checkpoints by recency + A x prefill FLOPs saved per "
-        "byte, a checkpoint's saving weighted by 1 + log2(1 + its hits) (both terms min-max "
-        "normalised; ties go to the older; 0: pure LRU; default 1). The best value depends on the "
-        "workload and the budget: on the replay's conversation trace 0 does better at 40-80 GiB, "
-        "on its fork-heavy trace 1 does better at 10-20 GiB (README, trace replay).",
+        "byte, a checkpoint's saving weighted by 1 + log2(1 + its hits) (the saving per byte on a "
+        "log scale; both terms min-max normalised; ties go to the older; 0: pure LRU; default 1). "
+        "In the trace replay 1 beats 0 at every budget on the conversation and fork-heavy traces, "
+        "and 2 loses badly (README, trace replay).",
     )
     g.add_argument(
         "--k3-host-tier-gib",
