@@ -21,6 +21,14 @@ Two views: the curve over ``L`` (tokens per kept state), and, for each replay re
 host tier's content at the end of that run (its KV bytes and its states, so its own ``L``), priced
 both ways: the same prefixes with the same states, held by upstream. Writes OUT/results.json and
 OUT/tier_host_bytes.png.
+
+A third number per replay, ``ratio_at_upstream_split``: upstream does not size its two host pools
+by what they hold. ``--hicache-size`` is split between the MLA host pool and ``MambaPoolHost`` in
+proportion to the device pools (``mem_cache/hybrid_cache/hybrid_pool_assembler.py::
+_split_hicache_size``), and the device state pool gets ``ratio / (1 + ratio)`` of the memory
+(``mamba_full_memory_ratio``, 0.9 by default: ``--upstream-mamba-ratio``, as in the trace replay).
+So each host byte upstream spends holds at most ``1 / (1 + ratio)`` of a byte of KV: full, its
+host tier costs ``K x (1 + ratio)`` per cached token, whatever states it keeps.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ def per_token(k: int, state: int, span: float, headers: bool) -> float:
     return k + state / span + extra
 
 
-def from_replay(path: str, k: int, s_up: int, s_k3: int) -> list[dict]:
+def from_replay(path: str, k: int, s_up: int, s_k3: int, ratio: float = 0.9) -> list[dict]:
     out = []
     with open(path) as f:
         records = json.load(f)
@@ -73,6 +81,7 @@ def from_replay(path: str, k: int, s_up: int, s_k3: int) -> list[dict]:
                 "k3_bytes_per_token": held / tokens,
                 "upstream_bytes_per_token": up / tokens,
                 "ratio_upstream_over_k3": up / held,
+                "ratio_at_upstream_split": k * (1 + ratio) * tokens / held,
             }
         )
     return out
@@ -114,6 +123,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--model-config", default="kimi-linear-48b", choices=sorted(PRESETS))
     ap.add_argument("--replay", action="append", default=[], help="a trace replay results.json with tiers (repeatable)")
+    ap.add_argument(
+        "--upstream-mamba-ratio",
+        type=float,
+        default=0.9,
+        help="upstream's mamba_full_memory_ratio: its host tier splits as its device pools do (default 0.9)",
+    )
     ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     for p in args.replay:
@@ -133,13 +148,17 @@ def main(argv=None) -> int:
                 "ratio_upstream_over_k3": up / ours,
             }
         )
-    points = [p for path in args.replay for p in from_replay(path, k, s_up, s_k3)]
+    if args.upstream_mamba_ratio <= 0:
+        ap.error("--upstream-mamba-ratio must be > 0")
+    points = [p for path in args.replay for p in from_replay(path, k, s_up, s_k3, args.upstream_mamba_ratio)]
     os.makedirs(args.out, exist_ok=True)
     res = {
         "model_config": args.model_config,
         "kv_bytes_per_token": k,
         "state_bytes_upstream": s_up,
         "state_bytes_k3_int8": s_k3,
+        "upstream_mamba_ratio": args.upstream_mamba_ratio,
+        "upstream_host_bytes_per_token_at_split": k * (1 + args.upstream_mamba_ratio),
         "curve": curve,
         "replays": points,
     }
@@ -156,7 +175,7 @@ def main(argv=None) -> int:
         print(
             f"{p['replay']} {p['budget_gib']:g} GiB: {p['tokens_per_state']:.0f} tokens/state, "
             f"k3 {p['k3_bytes_per_token'] / 1024:.1f} KiB vs upstream {p['upstream_bytes_per_token'] / 1024:.1f}: "
-            f"{p['ratio_upstream_over_k3']:.2f}x"
+            f"{p['ratio_upstream_over_k3']:.2f}x; at upstream's pool split {p['ratio_at_upstream_split']:.2f}x"
         )
     return 0
 

@@ -54,6 +54,9 @@ def test_curve_and_a_replays_host_tier(tmp_path):
     assert point["states"] > 0 and point["cached_tokens"] > 0
     span = point["tokens_per_state"]
     assert point["ratio_upstream_over_k3"] == pytest.approx((k * span + up) / (k * span + ours), rel=1e-6)
+    # upstream's host pools split as its device pools do: 1 / 1.9 of its bytes hold KV
+    assert res["upstream_host_bytes_per_token_at_split"] == pytest.approx(k * 1.9)
+    assert point["ratio_at_upstream_split"] == pytest.approx(k * 1.9 * span / (k * span + ours), rel=1e-6)
 
 
 def test_a_replay_without_a_host_tier_is_refused_or_skipped(tmp_path):
