@@ -21,6 +21,7 @@ pytest.importorskip("mooncake.store")
 pytest.importorskip("sglang_router")
 
 from conftest import stop_servers_except  # noqa: E402
+from server_utils import k3_state  # noqa: E402
 from workloads import random_tokens  # noqa: E402
 
 from sglang_k3.fleet.local_fleet import FleetSpec, LocalFleet  # noqa: E402
@@ -94,12 +95,7 @@ def test_a_conversation_alternating_between_instances_hits_on_each(fleet):
             ids = ids + out["output_ids"] + random_tokens(rng, rng.randint(30, 60))
         assert len(cached_on) == 3, cached_on  # turns 1..5 rotate over all three instances
         assert all(v > 0 for v in cached_on.values()), cached_on
-        l3_hits = sum(
-            requests.get(s.url + "/server_info", timeout=30).json()["internal_states"][0]["k3_cache"][
-                "tier_l3_hit_tokens"
-            ]
-            for s in f.instances
-        )
+        l3_hits = sum(k3_state(s)["tier_l3_hit_tokens"] for s in f.instances)
         assert l3_hits > 0
     finally:
         f.start_router("consistent_hashing")

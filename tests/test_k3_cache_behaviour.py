@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import requests
+from server_utils import k3_state
 from workloads import random_tokens, run_conversations
 
 
@@ -58,12 +59,6 @@ def test_ab_hit_rate_k3_at_least_upstream(server_factory):
     assert rates["k3"] > 0.3
 
 
-def _k3_state(s) -> dict:
-    r = requests.get(s.url + "/server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]["k3_cache"]
-
-
 def test_export_stash_keeps_only_candidate_rows(server_factory):
     """After an extend, the export stash holds one chunk-boundary row per KDA layer per candidate
     (prompt end; branch point), not the forward's full exported states. On the fp32 server a
@@ -74,7 +69,7 @@ def test_export_stash_keeps_only_candidate_rows(server_factory):
     rng = random.Random(13)
     a = random_tokens(rng, 1000)
     s.generate(a, 3)
-    st = _k3_state(s)
+    st = k3_state(s)
     row = st["checkpoint_slot_bytes"]
     assert st["export_stash_last_bytes"] == row  # the last grid point before the prompt end only
     assert st["export_stash_bytes"] == 0  # dropped once the request checkpointed, not held idle
@@ -85,13 +80,13 @@ def test_export_stash_keeps_only_candidate_rows(server_factory):
     # the branch point (256): two rows, and they are what a third sibling restores from.
     b = a[:300] + random_tokens(rng, 700)
     s.generate(b, 3)
-    st = _k3_state(s)
+    st = k3_state(s)
     assert st["export_stash_last_bytes"] == 2 * row and st["export_stash_bytes"] == 0
     assert st["export_stash_peak_bytes"] >= 2 * row  # a lifetime peak (the server is shared)
     c = s.generate(a[:300] + random_tokens(rng, 100), 3)
     assert c["meta_info"]["cached_tokens"] == 256
     # c's extend runs from 256 to 400 (grid points 320 and 384): only the prompt-end one is kept.
-    assert _k3_state(s)["export_stash_last_bytes"] == row
+    assert k3_state(s)["export_stash_last_bytes"] == row
 
 
 def test_quantized_hits_of_a_forward_are_restored_together(server_factory):
@@ -102,9 +97,9 @@ def test_quantized_hits_of_a_forward_are_restored_together(server_factory):
     _flush(s)
     ids = random_tokens(random.Random(13), 150)
     first = s.generate(ids, 5)
-    before = _k3_state(s)
+    before = k3_state(s)
     outs = s.generate([ids] * 8, 5)
-    after = _k3_state(s)
+    after = k3_state(s)
     assert [o["meta_info"]["cached_tokens"] for o in outs] == [128] * 8
     assert all(o["output_ids"] == first["output_ids"] for o in outs)
     restores = after["deferred_restores"] - before["deferred_restores"]
@@ -147,13 +142,13 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     finished = [r for r in results if isinstance(r, dict)]
     aborted = [r for r in finished if r["meta_info"]["finish_reason"]["type"] == "abort"]
     assert aborted, [r["meta_info"]["finish_reason"] for r in finished]
-    state = _k3_state(s)
+    state = k3_state(s)
     assert state["tracked_requests"] == 0
     again = s.generate(prompts[0], 3)
     # the prompt-end checkpoint, or the exported one below it if the aborted requests' own
     # checkpoints pushed it out
     assert again["meta_info"]["cached_tokens"] in (192, 200)
-    assert _k3_state(s)["tracked_requests"] == 0
+    assert k3_state(s)["tracked_requests"] == 0
 
 
 def test_quantized_stores_of_a_step_run_together(server_factory):
@@ -169,9 +164,9 @@ def test_quantized_stores_of_a_step_run_together(server_factory):
     _flush(s)
     rng = random.Random(15)
     prompts = [random_tokens(rng, 150) for _ in range(4)]
-    before = _k3_state(s)
+    before = k3_state(s)
     s.generate(prompts, 4)
-    after = _k3_state(s)
+    after = k3_state(s)
     stored = after["stores_flushed"] - before["stores_flushed"]
     flushes = after["store_flushes"] - before["store_flushes"]
     ahead = after["export_ahead_stored"] - before["export_ahead_stored"]

@@ -14,21 +14,16 @@ import random
 import time
 
 import pytest
-import requests
 
 pytest.importorskip("mooncake.store")
 
-from server_utils import Server  # noqa: E402
+from server_utils import Server, k3_state  # noqa: E402
 from workloads import random_tokens  # noqa: E402
 
 from sglang_k3.tiers.mooncake_master import MooncakeMaster  # noqa: E402
 
 SEED = 9090
 FLAGS = ["--k3-checkpoint-dtype", "fp32", "--k3-mooncake", "--k3-tier-write-policy", "write_through"]
-
-
-def _stats(server) -> dict:
-    return requests.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]["k3_cache"]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +53,9 @@ def test_a_prefix_computed_on_one_instance_is_restored_on_the_other(fleet):
     prompt = _conversation(rng, random_tokens(rng, 150))
     out_a = a.generate(prompt, 8)
     nxt = prompt + out_a["output_ids"] + random_tokens(rng, 40)
-    before = _stats(b)
+    before = k3_state(b)
     out_b = b.generate(nxt, 8)
-    after = _stats(b)
+    after = k3_state(b)
     assert out_b["meta_info"]["cached_tokens"] >= len(prompt) - 64, out_b["meta_info"]
     assert after["tier_l3_hits"] > before["tier_l3_hits"]
     assert out_b["output_ids"] == plain.generate(nxt, 8)["output_ids"]
@@ -84,7 +79,7 @@ def test_a_conversation_alternating_between_instances_hits_on_both(fleet):
             convs[c] = convs[c] + out["output_ids"] + random_tokens(rng, rng.randint(20, 60))
     assert cached[a.name] > 0 and cached[b.name] > 0, cached
     for srv in (a, b):
-        st = _stats(srv)
+        st = k3_state(srv)
         assert st["tier_invalid_objects"] == 0 and st["tier_errors"] == 0
 
 
@@ -93,12 +88,12 @@ def test_the_master_killed_mid_workload_costs_hits_not_correctness(fleet):
     rng = random.Random(SEED + 2)
     prompt = _conversation(rng, random_tokens(rng, 100))
     master.stop(kill=True)
-    errors_before = _stats(a)["tier_l3_errors"]
+    errors_before = k3_state(a)["tier_l3_errors"]
     for srv in (a, b, a):  # both keep serving from their own device cache
         out = srv.generate(prompt, 6)
         assert out["output_ids"] == plain.generate(prompt, 6)["output_ids"]
         prompt = prompt + out["output_ids"] + random_tokens(rng, 30)
-    assert _stats(a)["tier_l3_errors"] > errors_before  # counted, not raised
+    assert k3_state(a)["tier_l3_errors"] > errors_before  # counted, not raised
     master.start()  # same ports, empty
     # once the clients re-mount their segments, a prefix computed on A is found on B again
     deadline, hit = time.time() + 90, 0
@@ -123,10 +118,10 @@ def test_an_instance_holding_part_of_the_pool_dies(fleet):
     outs = [a.generate(p, 6)["output_ids"] for p in prompts]
     a.stop()
     time.sleep(12)  # past the master's client_ttl (10 s): A's segment is dropped
-    before = _stats(b)
+    before = k3_state(b)
     for p, o in zip(prompts, outs):
         nxt = p + o + random_tokens(rng, 30)
         out = b.generate(nxt, 6)
         assert out["output_ids"] == plain.generate(nxt, 6)["output_ids"]
-    after = _stats(b)
+    after = k3_state(b)
     assert after["tier_invalid_objects"] == before["tier_invalid_objects"] and after["tier_errors"] == 0

@@ -13,13 +13,8 @@ import json
 import random
 
 import requests
+from server_utils import k3_state
 from workloads import random_tokens
-
-
-def _k3_state(s) -> dict:
-    r = requests.get(s.url + "/server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]["k3_cache"]
 
 
 def _overlap_on(s) -> bool:
@@ -57,7 +52,7 @@ def test_a_prompt_continued_while_its_first_request_decodes_restores_a_true_stat
     k3, plain = server_factory("k3"), server_factory("nocache")
     assert _overlap_on(k3), "launch_server should leave the overlap scheduler on for k3"
     k3.flush_cache()
-    before = _k3_state(k3)["stale_state_skips"]
+    before = k3_state(k3)["stale_state_skips"]
     rng = random.Random(71)
     for _ in range(3):
         prompt = random_tokens(rng, rng.randint(140, 250))
@@ -69,4 +64,4 @@ def test_a_prompt_continued_while_its_first_request_decodes_restores_a_true_stat
         # the prefill's own export at the last 64-token boundary before the prompt end
         assert cached == (len(prompt) - 1) // 64 * 64, (cached, len(prompt))
     # the overlap path was taken: each prompt-end copy found its slot a step ahead and was skipped
-    assert _k3_state(k3)["stale_state_skips"] - before >= 3
+    assert k3_state(k3)["stale_state_skips"] - before >= 3

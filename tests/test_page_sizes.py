@@ -11,11 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-import requests
-
-
-def _k3_stats(server) -> dict:
-    return requests.get(server.url + "/server_info", timeout=30).json()["internal_states"][0]["k3_cache"]
+from server_utils import k3_state
 
 
 def _conversation(server, seed: int) -> list[dict]:
@@ -35,14 +31,14 @@ def _conversation(server, seed: int) -> list[dict]:
 @pytest.mark.parametrize("seed", [11, 12])
 def test_a_turn_end_inside_a_page_is_restored_exactly_there(server_factory, seed):
     paged, plain = server_factory("k3_page64"), server_factory("nocache")
-    copies_before = _k3_stats(paged)["kv_page_copies"]
+    copies_before = k3_state(paged)["kv_page_copies"]
     got, want = _conversation(paged, seed), _conversation(plain, seed)
     assert [t["ids"] for t in got] == [t["ids"] for t in want]
     for prev, turn in zip(got, got[1:]):
         # the previous turn's state: its prompt and every reply token but the last (never fed in)
         end = prev["prompt_len"] + len(prev["ids"]) - 1
         assert end % 64 and turn["cached"] == end, (prev, turn)
-    assert _k3_stats(paged)["kv_page_copies"] >= copies_before + 2
+    assert k3_state(paged)["kv_page_copies"] >= copies_before + 2
 
 
 def test_pages_of_64_hit_where_pages_of_1_hit(server_factory):

@@ -12,7 +12,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
+from server_utils import k3_state
 from workloads import random_tokens
 
 SPLIT = (
@@ -22,12 +22,6 @@ SPLIT = (
     "memory_free_bytes",
     "memory_reserved_bytes",
 )
-
-
-def _state(s) -> dict:
-    r = requests.get(s.url + "/server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]["k3_cache"]
 
 
 def _phases(seed: int):
@@ -50,7 +44,7 @@ def _run(s, phases, timeline=None):
 
     def sample(label):
         if timeline is not None:
-            st = _state(s)
+            st = k3_state(s)
             timeline.append({"after": label, **{k: st[k] for k in SPLIT}})
 
     for i in range(0, len(a), 4):
@@ -82,7 +76,7 @@ def test_shifting_workload_keeps_serving_exactly_under_pressure(server_factory, 
     for row in timeline:
         print("  ", row)
     assert [r["output_ids"] for r in cached] == [r["output_ids"] for r in plain]
-    st = _state(s)
+    st = k3_state(s)
     budget = st["memory_budget_bytes"]
     # far smaller than what the workload's distinct prefixes would need as KV alone
     distinct_kv = sum(len(r["output_ids"]) for r in plain) + sum(r["meta_info"]["prompt_tokens"] for r in plain)
@@ -100,7 +94,7 @@ def test_shifting_workload_keeps_serving_exactly_under_pressure(server_factory, 
     assert sum(r["meta_info"]["cached_tokens"] for r in turns[3:]) > 0
     # a flush gives every usable byte back, in one run
     s.flush_cache()
-    st = _state(s)
+    st = k3_state(s)
     assert st["memory_free_bytes"] == st["memory_largest_free_run_bytes"] == budget - st["memory_reserved_bytes"]
     assert st["memory_kv_bytes"] == st["memory_checkpoint_bytes"] == st["memory_active_bytes"] == 0
 
@@ -161,6 +155,6 @@ def test_a_shared_system_prompt_survives_conversations_that_cycle_the_budget(ser
     assert [r["output_ids"] for r in cached] == [r["output_ids"] for r in plain]
     hits = [r["meta_info"]["cached_tokens"] for r in cached]
     print("\ncached tokens per request:", hits)
-    budget_tokens = _state(s)["memory_budget_bytes"] // 1280
+    budget_tokens = k3_state(s)["memory_budget_bytes"] // 1280
     assert budget_tokens < sum(r["meta_info"]["prompt_tokens"] for r in cached[-16:])  # it does cycle
     assert all(h >= 192 for h in hits[8:]), hits  # every request after the first two waves

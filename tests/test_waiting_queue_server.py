@@ -14,17 +14,11 @@ agreement, as ``test_int8_agreement.py`` does. The workload is the live A/B's ``
 from __future__ import annotations
 
 import pytest
-import requests
+from server_utils import k3_state
 
 from benchmarks.live import workloads as wl
 
 SYSTEM, FIRST, USER, REPLY, CONVERSATIONS, TURNS = 128, 128, 48, 8, 16, 4
-
-
-def _k3_state(s) -> dict:
-    r = requests.get(s.url + "/server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]["k3_cache"]
 
 
 def _agreeing(a: list, b: list) -> int:
@@ -55,9 +49,9 @@ def _run(s, vocab, seed):
 def test_queued_conversations_keep_their_turns_under_a_cycling_budget(server_factory, embedded_model_dir, seed):
     vocab = wl.vocabulary(embedded_model_dir)
     k3 = server_factory("k3_cycling")
-    before = _k3_state(k3)
+    before = k3_state(k3)
     summary, outputs = _run(k3, vocab, seed)
-    after = _k3_state(k3)
+    after = k3_state(k3)
     plain_summary, plain = _run(server_factory("nocache"), vocab, seed)
     assert summary["errors"] == 0 and plain_summary["errors"] == 0
     assert outputs.keys() == plain.keys()
