@@ -12,7 +12,7 @@ KV), so on a linear scale the one or two largest set the range and every other c
 about 0: the efficiency term then only protected outliers, and recency alone ranked the rest. On
 a log scale each candidate is placed by its ratio to the others. Measured with the trace replay
 (conversation trace, Kimi-Linear-48B, int8, token hit rate at 10/20/40/80 GiB): linear
-0.052/0.084/0.164/0.256, log 0.050/0.085/0.178/0.258; fork-heavy trace at 10/40 GiB: linear
+0.051/0.084/0.164/0.256, log 0.050/0.085/0.178/0.258; fork-heavy trace at 10/40 GiB: linear
 0.872/0.897, log 0.875/0.897. A candidate that saves nothing scores one e-fold below the least
 positive one, so it still goes first.
 
