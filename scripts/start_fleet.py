@@ -125,6 +125,9 @@ def main(argv=None) -> int:
     spec = spec_from_args(args, ap)
     fleet = LocalFleet(spec)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs the finally below
+    # Ctrl-C (or kill -INT) stops the fleet even when started from a shell job or nohup that
+    # ignores SIGINT: Python raises KeyboardInterrupt only if SIGINT was not ignored at start.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         fleet.start()
         print(f"fleet ready: send requests to {fleet.url} (header X-SMG-Routing-Key: <session id>)", flush=True)

@@ -52,6 +52,7 @@ def main(argv=None) -> int:
             print(f"export {k}={v!r}" if v else f"export {k}=''")
         sys.stdout.flush()
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
         while master.alive():
             time.sleep(1)
         print("mooncake_master exited", file=sys.stderr)

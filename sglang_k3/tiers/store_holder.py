@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         print(f"error: the store client's setup against {args.master} failed ({rc})", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     print(f"ready: holding {seg} bytes of the pool of {args.master}", flush=True)
     try:
         while True:
