@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sglang_k3.fleet.local_fleet import DEFAULT_SEGMENT_BYTES, DEFAULT_STORE_BYTES, FleetSpec, LocalFleet  # noqa: E402
 from sglang_k3.fleet.router_process import POLICIES  # noqa: E402
 from sglang_k3.fleet.status import fleet_status, format_table  # noqa: E402
+from sglang_k3.process_group import exit_on_stop_signals  # noqa: E402
 from sglang_k3.tiers.mooncake_master import size_arg  # noqa: E402
 
 
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = spec_from_args(args, ap)
     fleet = LocalFleet(spec)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # runs the finally below
-    # Ctrl-C (or kill -INT) stops the fleet even when started from a shell job or nohup that
-    # ignores SIGINT: Python raises KeyboardInterrupt only if SIGINT was not ignored at start.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    exit_on_stop_signals()  # SIGTERM and Ctrl-C run the finally below
     try:
         fleet.start()
         print(f"fleet ready: send requests to {fleet.url} (header X-SMG-Routing-Key: <session id>)", flush=True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from sglang_k3.process_group import exit_on_stop_signals  # noqa: E402
 from sglang_k3.tiers.mooncake_master import MooncakeMaster, size_arg  # noqa: E402
 
 
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
         for k, v in env.items():
             print(f"export {k}={v!r}" if v else f"export {k}=''")
         sys.stdout.flush()
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+        exit_on_stop_signals()
         while master.alive():
             time.sleep(1)
         print("mooncake_master exited", file=sys.stderr)

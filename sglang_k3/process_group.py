@@ -8,8 +8,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Callable, Optional
+
+
+def exit_on_stop_signals() -> None:
+    """For a long-running helper that cleans up in ``finally`` / ``except KeyboardInterrupt``:
+    SIGTERM exits through ``sys.exit(0)``, and SIGINT (Ctrl-C, ``kill -INT``) raises
+    KeyboardInterrupt even when the process started with SIGINT ignored, as a shell job or
+    ``nohup`` starts it (Python installs its own SIGINT handler only if SIGINT was not ignored)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stop_group(proc: subprocess.Popen, term_timeout: float = 30.0, kill: bool = False) -> None:

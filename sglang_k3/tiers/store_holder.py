@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
 
-from sglang_k3.process_group import GroupProcess
+from sglang_k3.process_group import GroupProcess, exit_on_stop_signals
 
 
 class StoreHolderProcess(GroupProcess):
@@ -70,8 +69,7 @@ def main(argv=None) -> int:
     if rc != 0:
         print(f"error: the store client's setup against {args.master} failed ({rc})", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+    exit_on_stop_signals()
     print(f"ready: holding {seg} bytes of the pool of {args.master}", flush=True)
     try:
         while True:
