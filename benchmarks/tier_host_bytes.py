@@ -55,7 +55,7 @@ def per_token(k: int, state: int, span: float, headers: bool) -> float:
     return k + state / span + extra
 
 
-def from_replay(path: str, k: int, s_up: int, s_k3: int, ratio: float = 0.9) -> list[dict]:
+def from_replay(path: str, k: int, s_up: int, s_k3: int, ratio: float) -> list[dict]:
     out = []
     with open(path) as f:
         records = json.load(f)

@@ -213,11 +213,9 @@ def test_prefetch_copies_a_lower_tiers_boundary_up_to_host_memory():
     assert not TierManager([l3], NS, p.io).prefetch(q, 0, 299, 0)  # no host tier above: no prefetch
 
 
-def test_a_tier_load_never_takes_memory_promised_to_other_requests():
-    """SGLang matches the waiting requests one at a time while it fills a prefill batch and
-    allocates their KV after; a tier load at a later request's match must fit in what is left
-    (``tier_room``), or it is skipped and counted, never taken from the batch (regression: a
-    single server with Mooncake died with "Out of memory" at ``alloc_for_extend``)."""
+def _one_request(**k3_flags):
+    """The replay's ``k3`` (the server's lifecycle) on the tiny model with a 1 GiB host tier,
+    after one 16-symbol prompt with 4 symbols of output ran to its finish."""
     from array import array
 
     from benchmarks.policies import SimConfig
@@ -227,10 +225,19 @@ def test_a_tier_load_never_takes_memory_promised_to_other_requests():
     from sglang_k3.config import K3Config
 
     cfg = SimConfig(cost=preset("tiny"), host_budget_bytes=1 << 30)
-    pol = K3Policy(cfg, 1 << 30, K3Config(checkpoint_dtype="int8", tier_write_policy="write_through"))
+    pol = K3Policy(cfg, 1 << 30, K3Config(checkpoint_dtype="int8", **k3_flags))
     seq = array("q", range(1000, 1020))
     trace = SymbolicTrace(64, [0.0], [16 * 64], [4 * 64], [seq], [0], [-1])
-    pol.finish(trace, 0, pol.admit(trace, 0).ctx)  # its boundaries are written through to host
+    pol.finish(trace, 0, pol.admit(trace, 0).ctx)
+    return pol, trace
+
+
+def test_a_tier_load_never_takes_memory_promised_to_other_requests():
+    """SGLang matches the waiting requests one at a time while it fills a prefill batch and
+    allocates their KV after; a tier load at a later request's match must fit in what is left
+    (``tier_room``), or it is skipped and counted, never taken from the batch (regression: a
+    single server with Mooncake died with "Out of memory" at ``alloc_for_extend``)."""
+    pol, trace = _one_request(tier_write_policy="write_through")  # its boundaries are written through to host
     lc = pol.lifecycle
     lc.reset()  # the device forgets; the host tier keeps them
     key = trace.prompt(0) + [5555]
@@ -249,19 +256,7 @@ def test_a_tier_load_never_takes_memory_promised_to_other_requests():
 def test_write_policies_copy_a_boundary_down_when_their_names_say(policy, at_landing, at_first_hit):
     """SGLang's names: ``write_back`` copies a boundary down only when the device evicts it,
     ``write_through`` as soon as it lands, ``write_through_selective`` at its first hit."""
-    from array import array
-
-    from benchmarks.policies import SimConfig
-    from benchmarks.policies.k3 import K3Policy
-    from benchmarks.trace.mooncake import SymbolicTrace
-    from sglang_k3.cache import preset
-    from sglang_k3.config import K3Config
-
-    cfg = SimConfig(cost=preset("tiny"), host_budget_bytes=1 << 30)
-    pol = K3Policy(cfg, 1 << 30, K3Config(checkpoint_dtype="int8", tier_write_policy=policy))
-    seq = array("q", range(1000, 1020))
-    trace = SymbolicTrace(64, [0.0], [16 * 64], [4 * 64], [seq], [0], [-1])
-    pol.finish(trace, 0, pol.admit(trace, 0).ctx)  # no eviction: the budget holds everything
+    pol, trace = _one_request(tier_write_policy=policy)  # no eviction: the budget holds everything
     landed = pol.tiers.counters.saves
     assert (landed > 0) == bool(at_landing), landed
     lc = pol.lifecycle
