@@ -4,6 +4,10 @@ the tests).
 A server runs in its own process group (so stopping it also stops SGLang's scheduler and detokenizer
 children), logs to a file, and is healthy once ``GET /health`` answers 200. A failed start raises
 with the tail of that log.
+
+A start that fails only because a port was taken between the moment it was picked and the moment a
+process bound it (the handle's HTTP port, or the rendezvous port SGLang picks for its scheduler:
+servers booting at once can pick the same one) is retried on fresh ports, ``port_retries`` times.
 """
 
 from __future__ import annotations
@@ -42,6 +46,22 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message holds its log tail."""
 
 
+# What a start that lost a port race prints: torch's TCPStore and uvicorn ("[Errno 98] ... address
+# already in use") and SGLang's launcher ("Port is already in use", server_args.PortArgs.init_new).
+PORT_CLASH_MARKERS = ("address already in use", "port is already in use")
+
+
+def log_shows_port_clash(log_path: str) -> bool:
+    """Whether a server's log says it could not bind a port (anywhere in it: the line can sit
+    above a long traceback of what failed next)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read().lower()
+    except OSError:
+        return False
+    return any(m in text for m in PORT_CLASH_MARKERS)
+
+
 class Server(GroupProcess):
     """One server process; ``url`` is its base URL once ``start()`` returned.
 
@@ -55,14 +75,22 @@ class Server(GroupProcess):
         log_dir: Optional[str] = None,
         log_prefix: str = "sglang_k3_test",
         env: Optional[dict] = None,
+        port_retries: int = 2,
     ):
         self.name, self.args, self.start_timeout = name, list(args), start_timeout
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{log_prefix}_{name}_{self.port}.log")
+        self._log_dir, self._log_prefix = log_dir or tempfile.gettempdir(), log_prefix
+        self._use_port(free_port())
         self.env = env
+        self.port_retries = port_retries
+        self.port_clashes = 0  # starts retried because a port was taken
         self.start_seconds: float | None = None
         self._t0 = 0.0
+
+    def _use_port(self, port: int, attempt: int = 0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        retry = f"_retry{attempt}" if attempt else ""
+        self.log_path = os.path.join(self._log_dir, f"{self._log_prefix}_{self.name}_{port}{retry}.log")
 
     @property
     def command(self) -> list[str]:
@@ -93,7 +121,22 @@ class Server(GroupProcess):
                 return False
 
         what = f"server {self.name}"
-        self.wait_until(healthy, self.start_timeout, 1.0, what, error=ServerStartError, since=self._t0)
+        while True:
+            try:
+                self.wait_until(healthy, self.start_timeout, 1.0, what, error=ServerStartError, since=self._t0)
+                break
+            except ServerStartError:
+                if self.port_clashes >= self.port_retries or not log_shows_port_clash(self.log_path):
+                    raise
+                self.port_clashes += 1
+                print(
+                    f"server {self.name}: a port was taken during start (log {self.log_path}); "
+                    f"retrying on fresh ports ({self.port_clashes}/{self.port_retries})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._use_port(free_port(), self.port_clashes)
+                self.launch()
         self.start_seconds = time.time() - self._t0
         return self
 
