@@ -76,6 +76,41 @@ def test_host_store_budget_lru_and_immutability():
         HostStore(0)
 
 
+def test_host_store_recycles_dropped_buffers_within_its_budget():
+    rng = random.Random(SEED)
+    s = HostStore(1000)
+    sizes = [codec.HEADER_BYTES + k for k in (40, 80, 120)]
+    held: dict[str, int] = {}
+    for i in range(400):
+        op = rng.random()
+        if op < 0.6:
+            blank = s.blank(0, rng.choice(sizes) - codec.HEADER_BYTES)
+            spare_ids = {id(b) for bufs in s._spares.values() for b in bufs}
+            assert id(blank.blob) not in spare_ids  # handed out: no longer a spare
+            blob = codec.seal(blank, f"k{i}", codec.KV_BLOCK, 0, 0)
+            assert s.put(f"k{i}", blob)
+            held[f"k{i}"] = id(blob)
+        elif op < 0.8 and s._objects:
+            s.remove(rng.choice(list(s._objects)))
+        elif op < 0.85:
+            s.clear()
+        # the invariant: objects and spares together never exceed the budget
+        assert s.used_bytes + s.spare_bytes <= s.budget_bytes
+        assert s.spare_bytes == sum(len(b) for bufs in s._spares.values() for b in bufs)
+        live = {id(b) for b in s._objects.values()}
+        assert not live & {id(b) for bufs in s._spares.values() for b in bufs}  # no buffer in both
+    assert s.counters.recycled > 100
+    # a dropped buffer comes back for the next object of its size, and only of its size
+    s.clear()
+    n = sizes[0] - codec.HEADER_BYTES
+    spare = s._spares[sizes[0]][-1]
+    assert s.blank(0, n).blob is spare
+    assert len(s.blank(0, n + 1).blob) == sizes[0] + 1
+    # bytes objects (a Mooncake get) are not recycled: they are immutable
+    s.clear()
+    assert s.put("b", b"x" * 64) and s.remove("b") and 64 not in s._spares
+
+
 def _tokens(n: int, seed: int = SEED) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(32, 127) for _ in range(n)]
@@ -85,10 +120,13 @@ def test_int8_checkpoints_stay_int8_and_round_trip_exactly():
     p = Pools(SEED)
     h = p.checkpoint(1)
     assert p.pool.q.dtype == torch.int8
-    data = p.io.read_state(h)
-    assert len(data) == p.io.state_bytes == p.pool.bytes_per_slot
+    assert p.io.state_bytes == p.pool.bytes_per_slot
+    data = bytearray(p.io.state_bytes)
+    p.io.read_state(h, memoryview(data))
+    with pytest.raises(ValueError):
+        p.io.read_state(h, memoryview(bytearray(p.io.state_bytes - 1)))
     (h2,) = p.pool.alloc(1)
-    assert p.io.write_state(h2, data)
+    assert p.io.write_state(h2, bytes(data))
     assert torch.equal(p.pool.q[h2], p.pool.q[h]) and torch.equal(p.pool.scale[h2], p.pool.scale[h])
     assert torch.equal(p.pool.conv[h2], p.pool.conv[h])
     assert p.pool._sealed[h2]  # read-only like a stored checkpoint
@@ -127,6 +165,30 @@ def test_save_then_load_restores_kv_and_state_byte_for_byte():
     ref = p.checkpoint(2)
     assert torch.equal(p.pool.q[h], p.pool.q[ref]) and torch.equal(p.pool.scale[h], p.pool.scale[ref])
     assert mgr.hits_by_tier["host"] == 1 and mgr.counters.load_kv_tokens == 150
+
+
+def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte():
+    """Every object of the second save is built in a buffer the first one left (no byte of the
+    old objects may survive in the new ones: the IO and the header overwrite all of them)."""
+    p = Pools(SEED)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io)
+    first, second = _tokens(300), _tokens(300, seed=SEED + 1)
+    _save_path(p, mgr, first, 250, active=1)
+    host.clear()
+    assert host.spare_bytes == p.io.state_bytes + 250 * p.io.kv_token_bytes + 4 * codec.HEADER_BYTES
+    kv = _save_path(p, mgr, second, 250, active=3)
+    assert host.counters.recycled == 4 and host.spare_bytes == 0
+    plan = mgr.find(second + [1], floor=0, cap=300, device_kv=0)
+    assert plan is not None and plan.pos == 250
+    new_kv = p.fresh_kv(250)
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, new_kv, h) == 4
+    for layer in p.kv:
+        assert torch.equal(layer[new_kv], layer[kv[:250]])
+    ref = p.checkpoint(3)
+    assert torch.equal(p.pool.q[h], p.pool.q[ref]) and torch.equal(p.pool.conv[h], p.pool.conv[ref])
+    assert mgr.find(first + [1], floor=0, cap=300, device_kv=0) is None  # the first is gone
 
 
 def test_find_takes_the_deepest_complete_boundary_and_never_half_of_one():

@@ -34,20 +34,22 @@ class SimTierIO:
     state_bytes = 0
     layout = "replay"
 
-    def read_kv(self, indices: Sequence[int]) -> bytes:
-        return b""
-
-    def write_kv(self, indices: Sequence[int], data: bytes) -> None:
+    def read_kv(self, indices: Sequence[int], outs: Sequence[memoryview]) -> None:
         pass
 
-    def read_state(self, handle: int) -> bytes:
-        return b""
+    def write_kv(self, indices: Sequence[int], parts: Sequence[bytes]) -> None:
+        pass
+
+    def read_state(self, handle: int, out: memoryview) -> None:
+        pass
 
     def write_state(self, handle: int, data: bytes) -> bool:
         return True
 
 
 class ModelledStore(HostStore):
+    recycles = False  # its objects are headers; the budget is in modelled bytes
+
     def __init__(self, budget_bytes: int, name: str, kv_symbol_bytes: int, state_bytes: int) -> None:
         super().__init__(budget_bytes, name)
         self.kv_symbol_bytes, self.state_bytes = kv_symbol_bytes, state_bytes

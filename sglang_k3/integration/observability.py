@@ -68,6 +68,7 @@ GAUGES: dict[str, str] = {
     "memory_peak_checkpoint_bytes": "Unified memory: peak of memory_checkpoint_bytes.",
     "tier_host_bytes": "Host tier (--k3-host-tier-gib): bytes of objects held.",
     "tier_host_objects": "Host tier: objects held (KV blocks and boundaries).",
+    "tier_host_spare_bytes": "Host tier: bytes of dropped objects' buffers kept for new ones (within the budget).",
     "tier_host_budget_bytes": "Host tier: its budget (0: off).",
     "tier_l3_segment_bytes": "Mooncake tier (--k3-mooncake): the segment this instance contributes (0: off or none).",
 }
@@ -126,6 +127,7 @@ COUNTERS: dict[str, str] = {
     "tier_incomplete": "Lower tiers: boundaries whose part vanished between lookup and load: misses.",
     "tier_host_hits": "Host tier: loads whose boundary came from host memory.",
     "tier_host_evictions": "Host tier: objects evicted, least recently used first.",
+    "tier_host_recycled": "Host tier: objects built in a spare buffer instead of fresh memory.",
     "tier_errors": "Lower tiers: exceptions raised by a tier (logged; the device cache carried on).",
     "tier_l3_hits": "Mooncake tier: loads whose boundary came from the Mooncake store.",
     "tier_host_hit_tokens": "Host tier: prefix tokens its loads gained over the device's own restore point.",

@@ -3,15 +3,22 @@
 An object read back from a tier is trusted only after :func:`decode` checks it: the magic and
 version, that it was written for this very key (the header carries a digest of the key, so an
 object copied or written under another key, another model's or tokenizer's included, is
-refused), the lengths, and a CRC-32 of the payload (zlib's, several GB/s; it catches corruption
-and truncation, the key digest catches misplacement; Mooncake's own optional check is a CRC-64). A failure raises
-:class:`InvalidObject`; the tier manager counts and logs it and treats the lookup as a miss.
-Torch-free.
+refused), the lengths, and an XXH3-64 of the payload (it catches corruption and truncation, the
+key digest catches misplacement; Mooncake's own optional check is a CRC-64). XXH3-64 runs at 13-17
+GB/s on one core of this project's CPU machine and 9.8 GB/s on the H200's host, zlib's CRC-32 at
+about 2 (format version 1 used CRC-32; ``benchmarks/GPU_NOTES.md`` has the tier moves it
+bounded). ``xxhash`` is a dependency of SGLang itself. A failure raises :class:`InvalidObject`;
+the tier manager counts and logs it and treats the lookup as a miss. Torch-free.
+
+An object is built in place (:func:`new`, then :func:`seal`): the tier IO writes the state and the
+KV straight into the blob's payload, so a save copies each byte once, from the device into the
+object. A sealed blob is not written again while a store holds it (the host store may hand the
+buffer of one it dropped to a new object: :meth:`sglang_k3.tiers.host_store.HostStore.blank`).
 
 Layout (little-endian)::
 
     magic  4s   b"K3T1"
-    ver    H    1
+    ver    H    2 (the version is in every key too: :func:`sglang_k3.tiers.keys.Namespace.prefix`)
     kind   B    1 = KV block, 2 = boundary (state + tail KV)
     ckind  B    the checkpoint's kind flags (boundary), 0 otherwise
     pos    Q    tokens before the boundary (boundary) / end of the block (KV block)
@@ -19,24 +26,29 @@ Layout (little-endian)::
     kv     Q    bytes of KV after it
     tokens I    tokens of KV in it
     keydig 16s  BLAKE2b-128 of the key
-    crc    I    CRC-32 of the payload
+    check  Q    XXH3-64 of the payload
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
+
+import xxhash
 
 MAGIC = b"K3T1"
-VERSION = 1
+VERSION = 2
 KV_BLOCK = 1
 BOUNDARY = 2
-_HEADER = struct.Struct("<4sHBBQQQI16sI")
-Bytes = Union[bytes, memoryview]
+_HEADER = struct.Struct("<4sHBBQQQI16sQ")
+Bytes = Union[bytes, bytearray, memoryview]
 HEADER_BYTES = _HEADER.size
+
+
+def _check(payload: Bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class InvalidObject(ValueError):
@@ -59,12 +71,46 @@ class Decoded:
     kv_tokens: int
 
 
-def encode(key: str, kind: int, pos: int, state: Bytes, kv: Bytes, kv_tokens: int, checkpoint_kind: int = 0) -> bytes:
-    crc = zlib.crc32(kv, zlib.crc32(state))
-    head = _HEADER.pack(
-        MAGIC, VERSION, kind, checkpoint_kind, pos, len(state), len(kv), kv_tokens, _digest(key.encode()), crc
-    )
-    return b"".join((head, state, kv))
+@dataclass(frozen=True)
+class Blank:
+    """An unsealed object: ``blob`` with room for the header, and views of its payload for the
+    tier IO to fill (``state`` first, then ``kv``)."""
+
+    blob: bytearray
+    state: memoryview
+    kv: memoryview
+
+
+def new(state_bytes: int, kv_bytes: int, buf: Optional[bytearray] = None) -> Blank:
+    """Room for an object; ``buf``: a spare buffer of exactly that size to build it in (every byte
+    of it is written before :func:`seal` returns, by the IO and the header)."""
+    n = HEADER_BYTES + state_bytes + kv_bytes
+    if buf is not None and len(buf) != n:
+        raise ValueError(f"a spare of {len(buf)} bytes for an object of {n}")
+    blob = bytearray(n) if buf is None else buf
+    view = memoryview(blob)
+    mid = HEADER_BYTES + state_bytes
+    return Blank(blob, view[HEADER_BYTES:mid], view[mid:])
+
+
+def seal(blank: Blank, key: str, kind: int, pos: int, kv_tokens: int, checkpoint_kind: int = 0) -> bytearray:
+    """Write the header of a filled :class:`Blank`; returns its blob."""
+    n_state, n_kv = len(blank.state), len(blank.kv)
+    check = _check(memoryview(blank.blob)[HEADER_BYTES:])
+    digest = _digest(key.encode())
+    fields = (MAGIC, VERSION, kind, checkpoint_kind, pos, n_state, n_kv, kv_tokens, digest, check)
+    _HEADER.pack_into(blank.blob, 0, *fields)
+    return blank.blob
+
+
+def encode(
+    key: str, kind: int, pos: int, state: Bytes, kv: Bytes, kv_tokens: int, checkpoint_kind: int = 0
+) -> bytearray:
+    """An object from payload bytes already in host memory (:func:`new` + :func:`seal`)."""
+    blank = new(len(state), len(kv))
+    blank.state[:] = state
+    blank.kv[:] = kv
+    return seal(blank, key, kind, pos, kv_tokens, checkpoint_kind)
 
 
 def peek(blob: bytes) -> tuple[int, int, int]:
@@ -89,6 +135,6 @@ def decode(key: str, blob: bytes, kv_token_bytes: int, state_bytes: int) -> Deco
     if n_state != (state_bytes if kind == BOUNDARY else 0):
         raise InvalidObject(f"{n_state} state bytes, this server's state is {state_bytes}")
     payload = memoryview(blob)[HEADER_BYTES:]
-    if zlib.crc32(payload) != check:
+    if _check(payload) != check:
         raise InvalidObject("checksum mismatch")
     return Decoded(kind, ckind, pos, payload[:n_state], payload[n_state:], n_tok)

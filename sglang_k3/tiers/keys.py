@@ -16,7 +16,7 @@ hashing the same tokens. Two kinds of object:
 Mooncake objects are immutable and a put on an existing key succeeds without writing, so
 everything that decides how the bytes are read is part of the key (:class:`Namespace`): the
 model's and the tokenizer's fingerprints, the layouts and dtypes of KV and state, and the TP rank
-and size. Torch-free.
+and size, and the object format's version (:data:`sglang_k3.tiers.codec.VERSION`). Torch-free.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import os
 from array import array
 from dataclasses import dataclass
 from typing import Sequence
+
+from sglang_k3.tiers import codec
 
 BLOCK_TOKENS = 64  # the KDA kernels' state grid, and the tree's checkpoint granularity below it
 
@@ -43,7 +45,7 @@ class Namespace:
     @property
     def prefix(self) -> str:
         raw = f"{self.model}|{self.tokenizer}|{self.layout}|{self.tp_rank}/{self.tp_size}"
-        return "k3t1-" + hashlib.sha256(raw.encode()).hexdigest()[:24]
+        return f"k3t{codec.VERSION}-" + hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

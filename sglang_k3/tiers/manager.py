@@ -22,7 +22,8 @@ restore (#39147: a hit is reported only after the state and all the KV loaded).
 
 The bytes are moved by a :class:`TierIO` the host provides (:mod:`sglang_k3.tiers.torch_io` for
 SGLang's pools): KV is read and written token-major, ``kv_token_bytes`` per token, so a block is
-sliced at any token.
+sliced at any token. A save has the IO write straight into the new objects' payloads and a load
+hands it the stored payloads as they are: no byte is copied on the host besides the device move.
 """
 
 from __future__ import annotations
@@ -57,13 +58,18 @@ class TierIO(Protocol):
     state_bytes: int  # one checkpoint (every KDA layer, its own dtype)
     layout: str  # what the bytes mean, for the key's namespace
 
-    def read_kv(self, indices: Sequence[int]) -> bytes: ...
+    def read_kv(self, indices: Sequence[int], outs: Sequence[memoryview]) -> None:
+        """Write the KV of ``indices`` (token-major) across ``outs``, in order: ``outs`` cut the
+        ``len(indices) * kv_token_bytes`` bytes into consecutive pieces."""
 
-    def write_kv(self, indices: Sequence[int], data: bytes) -> None: ...
+    def write_kv(self, indices: Sequence[int], parts: Sequence[codec.Bytes]) -> None:
+        """The KV of ``indices`` is the concatenation of ``parts``."""
 
-    def read_state(self, handle: int) -> bytes: ...
+    def read_state(self, handle: int, out: memoryview) -> None:
+        """Write the checkpoint in ``handle`` (``state_bytes``) into ``out``."""
 
-    def write_state(self, handle: int, data: bytes) -> bool: ...
+    def write_state(self, handle: int, data: codec.Bytes) -> bool:
+        """Load ``data`` into the checkpoint slot ``handle``; False when the pool refuses it."""
 
 
 @dataclass
@@ -124,6 +130,8 @@ class TierManager:
         self.stores = list(stores)
         self.ns, self.io, self.block = ns, io, block
         self.write_policy = write_policy
+        # new objects go into the host tier's spare buffers where it has them (HostStore.blank)
+        self._blank = getattr(self.stores[0], "blank", codec.new)
         self.counters = TierCounters()
         self.hits_by_tier = {s.name: 0 for s in self.stores}
         self.hit_tokens_by_tier = {s.name: 0 for s in self.stores}
@@ -154,20 +162,21 @@ class TierManager:
         held = len(todo) < len(self.stores)
         wrote = False
         if todo:
-            # one read for everything any tier lacks: the missing blocks and the tail
+            # one read for everything any tier lacks, straight into the objects: the missing blocks
+            # and the boundary (its state and the KV past the last whole block)
             need = sorted({k for _, missing in todo for k in missing})
-            nb = len(hashes)
+            nb, tb = len(hashes), self.io.kv_token_bytes
             rows = [i for k in need for i in kv[k * B : (k + 1) * B]] + list(kv[nb * B : pos])
-            data = memoryview(self.io.read_kv(rows))
-            tb = self.io.kv_token_bytes
-            block = {k: data[j * B * tb : (j + 1) * B * tb] for j, k in enumerate(need)}
-            tail = data[len(need) * B * tb :]
-            state = self.io.read_state(handle)
-            blob = codec.encode(bkey, codec.BOUNDARY, pos, state, tail, pos - nb * B, int(kind))
+            blanks = {k: self._blank(0, B * tb) for k in need}
+            tail = self._blank(self.io.state_bytes, (pos - nb * B) * tb)
+            self.io.read_kv(rows, [blanks[k].kv for k in need] + [tail.kv])
+            self.io.read_state(handle, tail.state)
+            block = {k: codec.seal(b, keys[k], codec.KV_BLOCK, (k + 1) * B, B) for k, b in blanks.items()}
+            blob = codec.seal(tail, bkey, codec.BOUNDARY, pos, pos - nb * B, int(kind))
             for store, missing in todo:
                 ok = True
                 for k in missing:
-                    if not store.put(keys[k], codec.encode(keys[k], codec.KV_BLOCK, (k + 1) * B, b"", block[k], B)):
+                    if not store.put(keys[k], block[k]):
                         ok = False
                         break
                     self.counters.saved_kv_blocks += 1
@@ -310,7 +319,7 @@ class TierManager:
         if len(new_kv) != plan.pos - plan.kv_from:
             raise ValueError(f"{len(new_kv)} KV slots for {plan.pos - plan.kv_from} tokens")
         t0 = time.perf_counter()
-        parts: list[bytes] = []
+        parts: list[memoryview] = []
         nbytes = 0
         for j, key, store in plan.blocks:
             obj = self._fetch(store, key)
@@ -323,12 +332,11 @@ class TierManager:
             return None
         tail_start = plan.pos - obj.kv_tokens
         parts.append(obj.kv[max(0, plan.kv_from - tail_start) * tb :])
-        data = b"".join(parts)
-        if len(data) != len(new_kv) * tb:
+        if sum(len(p) for p in parts) != len(new_kv) * tb:
             self.counters.incomplete += 1
             return None
         if new_kv:
-            self.io.write_kv(new_kv, data)
+            self.io.write_kv(new_kv, parts)
         if not self.io.write_state(handle, obj.state):
             self.counters.invalid_objects += 1
             return None

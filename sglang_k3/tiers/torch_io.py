@@ -10,18 +10,20 @@ manager for a running server).
   fp32 scales and the native conv state, so an INT8 checkpoint stays INT8 all the way down. A
   loaded state is written into a fresh slot and sealed (read-only) like a stored one.
 
-Each call moves its bytes in one copy per direction: on CUDA through a pinned staging buffer the
-IO keeps (grown on demand), so a device<->host move runs at the host link's rate rather than a
-pageable copy's (``benchmarks/gpu_tier_moves.py``); on CPU a plain memcpy. Calls are synchronous:
-the bytes are in host memory (or the device) when they return.
+Each call moves its bytes once: the device gathers them into one contiguous tensor, then one copy
+per host buffer moves them between that tensor and the tier object's payload (on CUDA a pageable
+copy, 15-23 GB/s on the H200 in ``benchmarks/GPU_NOTES.md``: a pinned staging buffer would move them
+at 55 GB/s but then cost a host memcpy of every byte into the object, slower than the link; on
+CPU a memcpy). Calls are synchronous: the bytes are in host memory (or on the device) when they
+return.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
-import numpy as np
 import torch
 
 
@@ -29,47 +31,40 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-class _Staging:
-    """Host bytes <-> device tensors. On CUDA through one pinned buffer (reused, grown to the
-    largest move so far); elsewhere directly."""
+def _host(buf) -> torch.Tensor:
+    """A uint8 tensor over a host buffer, no copy. Stored objects are ``bytes`` (read-only):
+    torch warns that writing through such a tensor is undefined; this code only reads them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.buf: torch.Tensor | None = None
 
-    def _get(self, n: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < n:
-            self.buf = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        return self.buf[:n]
-
-    def to_host(self, tensors: Sequence[torch.Tensor]) -> bytes:
-        flats = [_flat_bytes(t) for t in tensors]
-        total = sum(f.numel() for f in flats)
-        if total == 0:
-            return b""
-        if not self.cuda:
-            return b"".join(f.numpy().tobytes() for f in flats)
-        stage, off = self._get(total), 0
-        for f in flats:
-            stage[off : off + f.numel()].copy_(f, non_blocking=True)
-            off += f.numel()
-        torch.cuda.current_stream(self.device).synchronize()
-        return stage.numpy().tobytes()
-
-    def to_device(self, data: bytes) -> torch.Tensor:
-        """``data`` as a uint8 tensor on the device (a copy: ``data`` may be reused)."""
-        if not self.cuda:
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        stage = self._get(len(data))
-        stage.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        out = stage.to(self.device, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()  # the staging buffer may be reused next
-        return out
+def _to_host(src: torch.Tensor, outs: Sequence[memoryview]) -> None:
+    """``src`` (uint8, any device) into ``outs``, consecutive pieces of it."""
+    total = sum(len(o) for o in outs)
+    if total != src.numel():
+        raise ValueError(f"{src.numel()} bytes to write into {total}")
+    off = 0
+    for o in outs:
+        if len(o):
+            _host(o).copy_(src[off : off + len(o)])
+            off += len(o)
 
 
 def _view(flat: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return flat.view(dtype).reshape(tuple(shape))
+
+
+def _to_device(parts: Sequence, device: torch.device) -> torch.Tensor:
+    """The concatenation of the host buffers ``parts`` as one uint8 tensor on ``device``."""
+    sizes = [memoryview(p).nbytes for p in parts]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    off = 0
+    for p, n in zip(parts, sizes):
+        if n:
+            out[off : off + n].copy_(_host(p))
+            off += n
+    return out
 
 
 class PoolTierIO:
@@ -83,7 +78,6 @@ class PoolTierIO:
         self.kv_dtype = first.dtype
         self.kv_token_shape = tuple(first.shape[1:])
         self.device = first.device
-        self._staging = _Staging(first.device)
         self.kv_token_bytes = len(self.kv) * math.prod(self.kv_token_shape) * first.element_size()
         self.pool = checkpoint_pool
         self.state_bytes = int(checkpoint_pool.bytes_per_slot)
@@ -99,30 +93,38 @@ class PoolTierIO:
     def _index(self, indices: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(indices), dtype=torch.int64, device=self.device)
 
-    def read_kv(self, indices: Sequence[int]) -> bytes:
+    def read_kv(self, indices: Sequence[int], outs: Sequence[memoryview]) -> None:
         if len(indices) == 0:
-            return b""
+            _to_host(torch.empty(0, dtype=torch.uint8), outs)
+            return
         idx = self._index(indices)
-        return self._staging.to_host([torch.stack([b.index_select(0, idx) for b in self.kv], dim=1)])
+        _to_host(_flat_bytes(torch.stack([b.index_select(0, idx) for b in self.kv], dim=1)), outs)
 
-    def write_kv(self, indices: Sequence[int], data: bytes) -> None:
+    def write_kv(self, indices: Sequence[int], parts: Sequence) -> None:
         n = len(indices)
-        if len(data) != n * self.kv_token_bytes:
-            raise ValueError(f"{len(data)} KV bytes for {n} tokens of {self.kv_token_bytes}")
+        data = _to_device(parts, self.device)
+        if data.numel() != n * self.kv_token_bytes:
+            raise ValueError(f"{data.numel()} KV bytes for {n} tokens of {self.kv_token_bytes}")
         if n == 0:
             return
-        t = _view(self._staging.to_device(data), self.kv_dtype, (n, len(self.kv), *self.kv_token_shape))
+        t = _view(data, self.kv_dtype, (n, len(self.kv), *self.kv_token_shape))
         idx = self._index(indices)
         for layer, buf in enumerate(self.kv):
             buf.index_copy_(0, idx, t[:, layer])
 
-    def read_state(self, handle: int) -> bytes:
-        return self._staging.to_host(self.pool.slot_parts(handle))
+    def read_state(self, handle: int, out: memoryview) -> None:
+        if len(out) != self.state_bytes:
+            raise ValueError(f"{len(out)} bytes for a checkpoint of {self.state_bytes}")
+        off = 0
+        for part in self.pool.slot_parts(handle):
+            flat = _flat_bytes(part)
+            _to_host(flat, [out[off : off + flat.numel()]])
+            off += flat.numel()
 
-    def write_state(self, handle: int, data: bytes) -> bool:
+    def write_state(self, handle: int, data) -> bool:
         if len(data) != self.state_bytes:
             raise ValueError(f"{len(data)} state bytes, a checkpoint here is {self.state_bytes}")
-        flat = self._staging.to_device(data)
+        flat = _to_device([data], self.device)
         parts, off = [], 0
         for dtype, shape in self._parts:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
