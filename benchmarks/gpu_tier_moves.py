@@ -33,7 +33,7 @@ from sglang_k3.state.checkpoint_pool import CheckpointPool
 from sglang_k3.tiers.host_store import HostStore
 from sglang_k3.tiers.keys import Namespace
 from sglang_k3.tiers.manager import TierManager
-from sglang_k3.tiers.torch_io import PoolTierIO
+from sglang_k3.tiers.torch_io import PoolTierIO, host_buffers_for
 
 L, H, V, K = 20, 32, 128, 128
 CONV = (3, 12288)
@@ -99,7 +99,7 @@ def main() -> int:
     # (a state and the KV of its prefix: 64-token blocks + the tail), saved, then found and loaded
     per = T // n
     toks = [[(b * 7919 + i) % 50000 for i in range(per - 7)] for b in range(n)]  # ends mid-block
-    host_store = HostStore(4 * total)
+    host_store = HostStore(4 * total, alloc=host_buffers_for(dev))  # as the server builds it
     mgr = TierManager([host_store], Namespace("gpu", "gpu", io.layout), io)
 
     def save() -> None:
@@ -132,6 +132,8 @@ def main() -> int:
         "save_first_gbps": moved_bytes / save_times[0] / 1e9,
         "save_s": t_save,
         "load_s": t_load,
+        "host_buffers_pinned": getattr(host_store._alloc, "registered", 0),
+        "host_buffers_pin_failures": getattr(host_store._alloc, "failures", 0),
         "save_gbps": moved_bytes / t_save / 1e9,
         "load_gbps": moved_bytes / t_load / 1e9,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from tier_pools import Pools
@@ -167,11 +168,13 @@ def test_save_then_load_restores_kv_and_state_byte_for_byte():
     assert mgr.hits_by_tier["host"] == 1 and mgr.counters.load_kv_tokens == 150
 
 
-def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte():
+@pytest.mark.parametrize("alloc", ["bytearray", "numpy"])
+def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte(alloc):
     """Every object of the second save is built in a buffer the first one left (no byte of the
-    old objects may survive in the new ones: the IO and the header overwrite all of them)."""
+    old objects may survive in the new ones: the IO and the header overwrite all of them). Also
+    with numpy buffers, the type the pinned allocator of a CUDA server hands out."""
     p = Pools(SEED)
-    host = HostStore(1 << 24)
+    host = HostStore(1 << 24, alloc=bytearray if alloc == "bytearray" else lambda n: np.empty(n, dtype=np.uint8))
     mgr = TierManager([host], NS, p.io)
     first, second = _tokens(300), _tokens(300, seed=SEED + 1)
     _save_path(p, mgr, first, 250, active=1)

@@ -13,7 +13,7 @@ from sglang_k3.tiers.codec import HEADER_BYTES
 from sglang_k3.tiers.host_store import HostStore
 from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, model_fingerprint, tokenizer_fingerprint
 from sglang_k3.tiers.manager import TierManager
-from sglang_k3.tiers.torch_io import PoolTierIO
+from sglang_k3.tiers.torch_io import PoolTierIO, host_buffers_for
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def build_tiers(cfg: K3Config, ctx: Optional[TierContext], mla_pool, store) -> O
     )
     stores = []
     if cfg.host_tier_gib > 0:
-        stores.append(HostStore(int(cfg.host_tier_gib * (1 << 30))))
+        stores.append(HostStore(int(cfg.host_tier_gib * (1 << 30)), alloc=host_buffers_for(io.device)))
     if cfg.mooncake:
         from sglang_k3.tiers.mooncake_store import MooncakeStore, load_config
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import xxhash
 
@@ -44,6 +44,7 @@ KV_BLOCK = 1
 BOUNDARY = 2
 _HEADER = struct.Struct("<4sHBBQQQI16sQ")
 Bytes = Union[bytes, bytearray, memoryview]
+Buffer = Any  # a writable 1-D byte buffer: a bytearray, or a uint8 numpy array (pinned on CUDA)
 HEADER_BYTES = _HEADER.size
 
 
@@ -76,14 +77,15 @@ class Blank:
     """An unsealed object: ``blob`` with room for the header, and views of its payload for the
     tier IO to fill (``state`` first, then ``kv``)."""
 
-    blob: bytearray
+    blob: Buffer
     state: memoryview
     kv: memoryview
 
 
-def new(state_bytes: int, kv_bytes: int, buf: Optional[bytearray] = None) -> Blank:
-    """Room for an object; ``buf``: a spare buffer of exactly that size to build it in (every byte
-    of it is written before :func:`seal` returns, by the IO and the header)."""
+def new(state_bytes: int, kv_bytes: int, buf: Optional[Buffer] = None) -> Blank:
+    """Room for an object; ``buf``: a writable buffer of exactly that size to build it in (a
+    spare, or pinned memory; every byte of it is written before :func:`seal` returns, by the IO
+    and the header)."""
     n = HEADER_BYTES + state_bytes + kv_bytes
     if buf is not None and len(buf) != n:
         raise ValueError(f"a spare of {len(buf)} bytes for an object of {n}")
@@ -93,7 +95,7 @@ def new(state_bytes: int, kv_bytes: int, buf: Optional[bytearray] = None) -> Bla
     return Blank(blob, view[HEADER_BYTES:mid], view[mid:])
 
 
-def seal(blank: Blank, key: str, kind: int, pos: int, kv_tokens: int, checkpoint_kind: int = 0) -> bytearray:
+def seal(blank: Blank, key: str, kind: int, pos: int, kv_tokens: int, checkpoint_kind: int = 0) -> Buffer:
     """Write the header of a filled :class:`Blank`; returns its blob."""
     n_state, n_kv = len(blank.state), len(blank.kv)
     check = _check(memoryview(blank.blob)[HEADER_BYTES:])

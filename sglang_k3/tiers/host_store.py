@@ -16,7 +16,12 @@ block objects all have one size, and a boundary object's size varies only with i
 count against the budget with the objects (``used + spare <= budget`` at all times: the tier never
 holds more memory than its budget, and a put drops spares before it evicts objects). A spare is
 handed out only while no object holds it, and the manager overwrites every byte of it (header,
-state and KV) before it is stored again.
+state and KV) before it is stored again. Objects that arrive as ``bytes`` (copied up from
+Mooncake) are immutable and are not recycled.
+
+**Where new buffers come from:** ``alloc(n)``, a ``bytearray`` by default; on CUDA the server
+passes :class:`sglang_k3.tiers.torch_io.PinnedHostMemory`, page-locked buffers the device copies
+at the host link's rate.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from sglang_k3.tiers import codec
 
@@ -50,8 +55,9 @@ class StoreCounters:
 class HostStore:
     recycles = True  # keep dropped objects' buffers as spares (the replay's modelled store: no)
 
-    def __init__(self, budget_bytes: int, name: str = "host") -> None:
+    def __init__(self, budget_bytes: int, name: str = "host", alloc: Callable[[int], codec.Buffer] = bytearray) -> None:
         self.name = name
+        self._alloc = alloc
         if budget_bytes <= 0:
             raise ValueError(f"host tier budget must be > 0 bytes (got {budget_bytes})")
         self.budget_bytes = int(budget_bytes)
@@ -60,7 +66,7 @@ class HostStore:
         self._state: dict[str, int] = {}  # of each object's charge, the checkpoint's bytes
         self.used_bytes = 0
         self.held_state_bytes = 0
-        self._spares: defaultdict[int, list[bytearray]] = defaultdict(list)  # by size
+        self._spares: defaultdict[int, list[codec.Buffer]] = defaultdict(list)  # by size
         self.spare_bytes = 0
         self.counters = StoreCounters()
         self._lock = threading.Lock()  # the prefetcher writes from its own thread
@@ -76,14 +82,14 @@ class HostStore:
                     del self._spares[n]
                 self.spare_bytes -= n
                 self.counters.recycled += 1
-        return codec.new(state_bytes, kv_bytes, buf)
+        return codec.new(state_bytes, kv_bytes, self._alloc(n) if buf is None else buf)
 
     def _drop(self, blob, reserve: int = 0) -> None:
         """``blob`` left the store: keep its buffer as a spare if the budget has room for it
         beside the objects, the spares and ``reserve`` bytes about to be stored."""
         n = len(blob)
         room = self.budget_bytes - self.used_bytes - self.spare_bytes - reserve
-        if self.recycles and type(blob) is bytearray and n <= room:
+        if self.recycles and not isinstance(blob, bytes) and n <= room:
             self._spares[n].append(blob)
             self.spare_bytes += n
 

@@ -21,9 +21,12 @@ return.
 from __future__ import annotations
 
 import math
+import mmap
 import warnings
+import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -49,6 +52,41 @@ def _to_host(src: torch.Tensor, outs: Sequence[memoryview]) -> None:
         if len(o):
             _host(o).copy_(src[off : off + len(o)])
             off += len(o)
+
+
+class PinnedHostMemory:
+    """New host-tier buffers on CUDA, page-locked so the device copies into and out of them at
+    the host link's rate (``alloc`` of :class:`~sglang_k3.tiers.host_store.HostStore`).
+
+    Each buffer is its own anonymous mapping (page-aligned, so two buffers never share a page,
+    which ``cudaHostRegister`` would refuse), registered with ``cudaHostRegister`` and
+    unregistered by a finalizer when the buffer is freed (numpy runs weakref callbacks before it
+    releases the mapping). Pinning costs a registration per buffer; the host store reuses the
+    buffers of the objects it drops, so a full tier pins nothing new. A registration the driver
+    refuses leaves a pageable buffer: correct, only slower (counted in ``failures``)."""
+
+    def __init__(self) -> None:
+        self._rt = torch.cuda.cudart()
+        self.registered = 0
+        self.failures = 0
+
+    def __call__(self, n: int) -> np.ndarray:
+        if n == 0:
+            return np.empty(0, dtype=np.uint8)
+        region = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+        buf = np.frombuffer(region, dtype=np.uint8, count=n)  # holds the mapping while it lives
+        ptr = buf.ctypes.data
+        if int(self._rt.cudaHostRegister(ptr, n, 0)) != 0:
+            self.failures += 1
+            return buf
+        self.registered += 1
+        weakref.finalize(buf, self._rt.cudaHostUnregister, ptr)
+        return buf
+
+
+def host_buffers_for(device: torch.device):
+    """The host tier's ``alloc`` for a server whose pools live on ``device``: pinned on CUDA."""
+    return PinnedHostMemory() if device.type == "cuda" else bytearray
 
 
 def _view(flat: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
