@@ -132,8 +132,8 @@ def main() -> int:
         "save_first_gbps": moved_bytes / save_times[0] / 1e9,
         "save_s": t_save,
         "load_s": t_load,
-        "host_buffers_pinned": getattr(host_store._alloc, "registered", 0),
-        "host_buffers_pin_failures": getattr(host_store._alloc, "failures", 0),
+        "host_buffers_pinned": host_store.stats().get("tier_host_pin_registered", 0),
+        "host_buffers_pin_failures": host_store.stats().get("tier_host_pin_failures", 0),
         "save_gbps": moved_bytes / t_save / 1e9,
         "load_gbps": moved_bytes / t_load / 1e9,
     }

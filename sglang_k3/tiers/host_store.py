@@ -196,6 +196,9 @@ class HostStore:
         d = self.counters.as_dict(f"tier_{self.name}")
         d[f"tier_{self.name}_bytes"] = self.used_bytes
         d[f"tier_{self.name}_spare_bytes"] = self.spare_bytes
+        for field in ("registered", "failures"):  # a pinning allocator's counts (CUDA)
+            if hasattr(self._alloc, field):
+                d[f"tier_{self.name}_pin_{field}"] = getattr(self._alloc, field)
         d[f"tier_{self.name}_state_bytes"] = self.held_state_bytes
         d[f"tier_{self.name}_objects"] = len(self._objects)
         d[f"tier_{self.name}_budget_bytes"] = self.budget_bytes

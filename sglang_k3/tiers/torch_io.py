@@ -11,15 +11,17 @@ manager for a running server).
   loaded state is written into a fresh slot and sealed (read-only) like a stored one.
 
 Each call moves its bytes once: the device gathers them into one contiguous tensor, then one copy
-per host buffer moves them between that tensor and the tier object's payload (on CUDA a pageable
-copy, 15-23 GB/s on the H200 in ``benchmarks/GPU_NOTES.md``: a pinned staging buffer would move them
-at 55 GB/s but then cost a host memcpy of every byte into the object, slower than the link; on
-CPU a memcpy). Calls are synchronous: the bytes are in host memory (or on the device) when they
-return.
+per host buffer moves them between that tensor and the tier object's payload, with no staging
+buffer and no host-side copy. On CUDA the host tier's buffers are page-locked
+(:class:`PinnedHostMemory`), so those copies run as DMA; objects that came from Mooncake are
+pageable ``bytes`` and copy at the pageable rate. On CPU each is a memcpy. Calls are synchronous:
+the bytes are in host memory (or on the device) when they return, so a host buffer may be reused
+at once. ``benchmarks/GPU_NOTES.md`` has the rates on an H200.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import warnings
@@ -28,6 +30,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,10 @@ class PinnedHostMemory:
         region = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
         buf = np.frombuffer(region, dtype=np.uint8, count=n)  # holds the mapping while it lives
         ptr = buf.ctypes.data
-        if int(self._rt.cudaHostRegister(ptr, n, 0)) != 0:
+        rc = self._rt.cudaHostRegister(ptr, n, 0)
+        if int(rc) != 0:
+            if not self.failures:
+                logger.warning("k3 host tier: cudaHostRegister of %d bytes failed (%s); using pageable buffers", n, rc)
             self.failures += 1
             return buf
         self.registered += 1
