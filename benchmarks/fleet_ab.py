@@ -41,7 +41,7 @@ if REPO not in sys.path:
 
 from benchmarks.live import workloads as wl  # noqa: E402
 from benchmarks.live_ab import git_info, machine_info  # noqa: E402
-from sglang_k3.fleet.instance import Server, ServerStartError, flush_cache  # noqa: E402
+from sglang_k3.fleet.instance import Server, ServerStartError, flush_cache, k3_state  # noqa: E402
 from sglang_k3.fleet.instance_info import ROUTING_KEY_HEADER  # noqa: E402
 from sglang_k3.fleet.local_fleet import SHARED_L3_ARGS, FleetSpec, LocalFleet  # noqa: E402
 from sglang_k3.fleet.router_process import RouterStartError  # noqa: E402
@@ -106,23 +106,19 @@ def device_args(args, scale: int = 1) -> list[str]:
     ]  # fmt: skip
 
 
-def _k3(url: str) -> dict:
-    return requests.get(url + "/server_info", timeout=60).json()["internal_states"][0]["k3_cache"]
-
-
 def _keyed(url: str) -> int:
     return requests.get(url + "/k3_fleet_info", timeout=60).json()["requests_with_session_key"]
 
 
 def run_workload(url: str, label: str, vocab, args, instance_urls: list[str]) -> tuple[dict, dict]:
-    before = {u: (_k3(u), _keyed(u)) for u in instance_urls}
+    before = {u: (k3_state(u), _keyed(u)) for u in instance_urls}
     metrics, outs = wl.run_multiturn(
         url, label, vocab, verbose=not args.quiet, session_header=ROUTING_KEY_HEADER, **wl.multiturn_kwargs(args)
     )
     l3 = host = 0
     shares = []
     for u in instance_urls:
-        k3, keyed = _k3(u), _keyed(u)
+        k3, keyed = k3_state(u), _keyed(u)
         l3 += k3.get("tier_l3_hit_tokens", 0) - before[u][0].get("tier_l3_hit_tokens", 0)
         host += k3.get("tier_host_hit_tokens", 0) - before[u][0].get("tier_host_hit_tokens", 0)
         shares.append(keyed - before[u][1])

@@ -29,8 +29,6 @@ import sys
 import tempfile
 import time
 
-import requests
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -38,6 +36,7 @@ if REPO not in sys.path:
 from benchmarks.live import workloads as wl  # noqa: E402
 from benchmarks.live.server import Server, ServerStartError  # noqa: E402
 from benchmarks.live_ab import git_info, machine_info  # noqa: E402
+from sglang_k3.fleet.instance import k3_state  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "tier_ab")
 DEVICE_ARGS = "--max-total-tokens 2048 --max-mamba-cache-size 8 --max-running-requests 4"
@@ -95,11 +94,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def k3_stats(url: str) -> dict:
-    states = requests.get(url + "/server_info", timeout=30).json()["internal_states"]
-    return states[0]["k3_cache"]
-
-
 def plot(servers: dict, path: str, title: str) -> None:
     import matplotlib
 
@@ -154,11 +148,11 @@ def main(argv=None) -> int:
             srv = Server(name, flags[name], log_dir=args.log_dir, log_prefix="tier_ab", env=env).start()
             print(f"server {name} healthy after {srv.start_seconds:.0f}s ({srv.log_path})", flush=True)
             try:
-                before = k3_stats(srv.url)
+                before = k3_state(srv.url)
                 metrics, outs = wl.run_multiturn(
                     srv.url, name, vocab, verbose=not args.quiet, **wl.multiturn_kwargs(args)
                 )
-                after = k3_stats(srv.url)
+                after = k3_state(srv.url)
             finally:
                 srv.stop()
             tiers = {k: after.get(k, 0) - before.get(k, 0) for k in TIER_STATS}

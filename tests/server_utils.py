@@ -12,12 +12,9 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 from benchmarks.live.server import Server, ServerStartError, free_port  # noqa: E402,F401
+from sglang_k3.fleet.instance import k3_state as _k3_state_at  # noqa: E402
 
 
 def k3_state(server) -> dict:
     """The k3 cache's counters and sizes as ``/server_info`` reports them (its first scheduler)."""
-    import requests
-
-    r = requests.get(server.url + "/server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()["internal_states"][0]["k3_cache"]
+    return _k3_state_at(server.url)

@@ -19,24 +19,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import requests
+from server_utils import k3_state
 from workloads import random_tokens, run_conversations
 
 SEED = 4242
 KW = dict(n_conv=8, n_turns=3, system_len=120, user_len=(200, 260), reply_len=6)
 
 
-def _k3_stats(server) -> dict:
-    states = requests.get(server.url + "/server_info", timeout=30).json()["internal_states"]
-    return states[0]["k3_cache"]
-
-
 @pytest.fixture(scope="module")
 def runs(server_factory):
     tier = server_factory("k3_host_tier")
-    before = _k3_stats(tier)
+    before = k3_state(tier)
     cached = run_conversations(tier, SEED, **KW)
-    after = _k3_stats(tier)
+    after = k3_state(tier)
     plain = run_conversations(server_factory("nocache"), SEED, **KW)
     return cached, plain, before, after
 
@@ -81,13 +76,13 @@ def test_a_first_time_fork_inside_an_earlier_prompt_restores_near_the_fork(serve
     tier.flush_cache()
     rng = random.Random(SEED + 1)
     first = random_tokens(rng, 700)
-    parked = _k3_stats(tier)["tier_parked"]
+    parked = k3_state(tier)["tier_parked"]
     tier.generate(first, 4)
-    before = _k3_stats(tier)
+    before = k3_state(tier)
     assert before["tier_parked"] - parked == 4  # 128, 256, 384, 512 (640 is the prompt end's, kept on the device)
     fork = first[:450] + random_tokens(rng, 60)
     out = tier.generate(fork, 6)
-    after = _k3_stats(tier)
+    after = k3_state(tier)
     assert out["meta_info"]["cached_tokens"] == 384, out["meta_info"]
     assert after["tier_loads"] == before["tier_loads"] + 1
     assert out["output_ids"] == plain.generate(fork, 6)["output_ids"]

@@ -30,6 +30,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def k3_state(url: str, timeout: float = 60.0) -> dict:
+    """The k3 cache's counters and sizes as ``GET /server_info`` reports them (its first
+    scheduler's ``internal_states``); raises when the server does not answer or runs another cache."""
+    r = requests.get(url + "/server_info", timeout=timeout)
+    r.raise_for_status()
+    return r.json()["internal_states"][0]["k3_cache"]
+
+
 def flush_cache(url: str, attempts: int = 30, name: str = "") -> None:
     """``POST /flush_cache``; SGLang refuses while requests are in flight, so retry briefly."""
     last = ""
