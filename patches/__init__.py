@@ -40,6 +40,7 @@ PATCH_MODULES: list[str] = [
     "schedule_batch_decode_pin",
     "mamba_no_buffer_overlap",
     "schedule_policy_waiting_refresh",
+    "prefill_adder_not_admitted",
 ]
 
 _registered = False

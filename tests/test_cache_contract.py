@@ -16,7 +16,7 @@ def _req(rid: str, ids: list[int]):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    return Req(rid, "", array("l", ids), SamplingParams(max_new_tokens=4))
+    return Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=4))
 
 
 def test_a_request_aborted_while_waiting_is_forgotten():
@@ -40,3 +40,79 @@ def test_a_request_aborted_while_waiting_is_forgotten():
     assert cache.stats_dict()["tracked_requests"] == 1
     cache.finish(reqs[2].cache_request_handle, CacheRequestOutcome.SUCCESS)  # not an abort: kept
     assert cache.stats_dict()["tracked_requests"] == 1
+
+
+@pytest.fixture(scope="module")
+def scheduler_context(embedded_model_dir):
+    """SGLang's process config as a scheduler sees it (``PrefillAdder`` reads it), for the
+    embedded model on the CPU; entered per test with ``use_context``, never published."""
+    from sglang.srt.runtime_context import create_context
+    from sglang.srt.server_args import ServerArgs
+
+    return create_context(ServerArgs(model_path=embedded_model_dir, device="cpu"), role="test")
+
+
+def _adder(cache, alloc):
+    """SGLang's own ``PrefillAdder`` over the cache, as ``_get_new_batch_prefill_raw`` builds it
+    for an idle server (no running batch, no chunking)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    return PrefillAdder(
+        page_size=1,
+        tree_cache=cache,
+        token_to_kv_pool_allocator=alloc,
+        running_batch=ScheduleBatch(reqs=[]),
+        new_token_ratio=1.0,
+        rem_input_tokens=10_000,
+        rem_chunk_tokens=None,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp32"])
+def test_a_matched_request_the_prefill_adder_refuses_gives_its_pin_back(dtype, scheduler_context):
+    """The shape of the "Out of memory ... alloc_for_extend" crash seen under pressure: the adder
+    admits request A against free + evictable memory, then matches B, whose hit pins a cached
+    path, and refuses B for lack of room. B's pin must not outlive the refusal, or A's KV
+    allocation, which counted on evicting that path, comes up short; B's queued restore must
+    not stay queued either (SGLang freed the slot it would write). Driven through SGLang's own
+    ``Req.init_next_round_input`` and ``PrefillAdder.add_one_req``, wrapped by the patch."""
+    from cpu_pools import unified_k3_cache_on_cpu
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang.srt.runtime_context import use_context
+
+    from sglang_k3.patches.prefill_adder_not_admitted import release_not_admitted
+
+    def add(adder, req):  # the scheduler's call, through the patch's hook
+        original = PrefillAdder.add_one_req
+        return release_not_admitted(original, adder, req, has_chunked_req=False, truncation_align_size=None)
+
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(checkpoint_dtype=dtype), kv_tokens=400, mamba_size=6, rows=4)
+    path = list(range(1, 201))
+    ins = cache.lifecycle.insert(path, alloc.alloc(len(path)).tolist())
+    cache.tree.add_checkpoint(ins.node, 150, [cache.store.alloc()], cache.store.slot_bytes, ready=True)
+    with use_context(scheduler_context):
+        adder = _adder(cache, alloc)
+        room = adder.rem_total_tokens  # free + evictable (the cached path)
+        assert room > len(path) + 64
+        # A: a miss that fits only if the cached path is evicted when its KV is allocated
+        a_len = room - 8 - 4  # leaves 8 tokens beyond A's prompt and its 4 new tokens
+        a = _req("a", list(range(1000, 1000 + a_len)))
+        a.init_next_round_input(cache)
+        assert add(adder, a) != AddReqResult.OTHER and adder.can_run_list == [a]
+        after_a = adder.rem_total_tokens
+        assert 0 <= after_a <= 8
+        # B: hits the path at 150 (pinned at the match), then does not fit
+        b = _req("b", path[:180] + list(range(5000, 5100)))
+        b.init_next_round_input(cache)
+        assert b.prefix_len == 150 and cache.lifecycle.requests["b"].pin is not None
+        assert adder.rem_total_tokens < 0  # the pin took the path out of what eviction may free
+        assert add(adder, b) == AddReqResult.NO_TOKEN and adder.can_run_list == [a]
+        assert adder.rem_total_tokens == after_a  # as before B's match
+    assert cache.lifecycle.requests["b"].pin is None and len(cache.fwd.restores) == 0
+    assert cache.stats_dict()["matches_not_admitted"] == 1
+    # A's KV, allocated as alloc_for_extend does: evict the shortfall, then allocate
+    evict_from_tree_cache(cache, a_len)
+    got = alloc.alloc(a_len)
+    assert got is not None and len(got) == a_len

@@ -97,6 +97,7 @@ class K3RadixCache(BasePrefixCache):
         # (the room lower tiers may load into is what is left: _tier_room).
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
+        self.matches_not_admitted = 0  # matched in a prefill loop, then not admitted (match_not_admitted)
         self._evicted_at_refresh = 0  # the tree's evictions when the waiting queue was last refreshed
         self.eviction_refresh = False  # True during a refresh k3 asked for (refresh_waiting_now)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
@@ -399,6 +400,20 @@ class K3RadixCache(BasePrefixCache):
         self._consume_export(req)
         self._release_request_slot(req)
 
+    def match_not_admitted(self, req) -> None:
+        """SGLang's prefill loop matched ``req`` (its hit pinned, its restore queued) and then did
+        not admit it (``PrefillAdder.add_one_req``: no room; ``patches/prefill_adder_not_admitted.py``).
+        Drop what the match holds, so the batch admitted before it gets the memory it was counted
+        on: a pinned hit locks its path's KV and its checkpoint, and SGLang's adder only checked
+        the earlier requests against memory that was free or evictable before this match.
+        Without this, the batch's KV allocation can come up short (SGLang's "Out of memory" at
+        ``alloc_for_extend``). SGLang frees the request's state slot itself; its queued restore
+        would write a slot that is no longer the request's, so it is cancelled too. The request
+        is matched again when the loop next reaches it."""
+        self.lifecycle.release_pin(req.rid)
+        self._round_extend.pop(req.rid, None)
+        self.matches_not_admitted += 1
+
     def release_aborted_request(self, handle) -> None:
         """Upstream's abort of a request that never ran (waiting queue, queue limit, priority)
         reaches the cache only here, with no finished reason set on the request: forget it now
@@ -529,6 +544,7 @@ class K3RadixCache(BasePrefixCache):
             deferred_restore_flushes=restores.flushes,
             deferred_restores=restores.restored,
             kv_page_copies=self.kv_page_copies,
+            matches_not_admitted=self.matches_not_admitted,
         )
         d.update(self.memory_split())
         return d
@@ -554,6 +570,7 @@ class K3RadixCache(BasePrefixCache):
             "memory_blocks_to_checkpoints": c.blocks_to_ckpt,
             "memory_peak_kv_bytes": c.peak_kv_blocks * led.geom.block_bytes,
             "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
+            "memory_peak_active_bytes": c.peak_active_blocks * led.geom.block_bytes,
             "memory_reclaims": c.reclaims,
             "memory_reclaim_evicted_bytes": c.reclaim_evicted_bytes,
             "memory_active_overflows": c.active_overflows,
@@ -577,6 +594,7 @@ MEMORY_FIELDS = (
     "memory_blocks_to_checkpoints",
     "memory_peak_kv_bytes",
     "memory_peak_checkpoint_bytes",
+    "memory_peak_active_bytes",
     "memory_reclaims",
     "memory_reclaim_evicted_bytes",
     "memory_active_overflows",

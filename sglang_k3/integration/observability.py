@@ -66,6 +66,7 @@ GAUGES: dict[str, str] = {
     "memory_largest_free_run_bytes": "Unified memory: the longest run of free blocks, in bytes.",
     "memory_peak_kv_bytes": "Unified memory: peak of memory_kv_bytes.",
     "memory_peak_checkpoint_bytes": "Unified memory: peak of memory_checkpoint_bytes.",
+    "memory_peak_active_bytes": "Unified memory: peak of memory_active_bytes (most running states at once).",
     "tier_host_bytes": "Host tier (--k3-host-tier-gib): bytes of objects held.",
     "tier_host_objects": "Host tier: objects held (KV blocks and boundaries).",
     "tier_host_spare_bytes": "Host tier: bytes of dropped objects' buffers kept for new ones (within the budget).",
@@ -104,6 +105,9 @@ COUNTERS: dict[str, str] = {
     ),
     "kv_page_copies": (
         "Restores inside a KV page: the prefix's slots in that page copied to a page of the request's own."
+    ),
+    "matches_not_admitted": (
+        "Requests matched while a prefill batch was filled, then not admitted (no room): their pinned hits released."
     ),
     "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
     "memory_blocks_to_active": "Unified memory: blocks active states took over.",
