@@ -1,7 +1,6 @@
 """How a shortage in the unified budget is met (``sglang_k3/cache/unified_eviction.py``), driven
 through the real ledger, lifecycle and tree with the replay's int-handle store: evicting for one
-checkpoint takes one, and a state beyond the reserve gets a run of blocks outside the region
-unless a checkpoint there is pinned."""
+checkpoint takes one, and a state slot is freed by taking the least valuable slot's borrowers."""
 
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def test_room_for_one_checkpoint_evicts_one():
     """The budget is full of checkpoints. Asking room for one more evicts exactly one: the stride
     (a block) is more than a checkpoint's bytes, and stepping by the block took a second."""
     led, lc, evictor, kv = build()
-    cks = [place(lc, kv, t) for t in range(led.kv_blocks_takeable())]  # every block outside the region
+    cks = [place(lc, kv, t) for t in range(led.free_blocks())]
     assert not led.ckpt_has_room()
     evictor.for_checkpoint(CKPT)
     assert led.ckpt_has_room()
@@ -66,20 +65,20 @@ def test_room_for_one_checkpoint_evicts_one():
     led.check()
 
 
-def test_a_state_beyond_the_reserve_evicts_a_run_outside_the_region_unless_pinned():
-    """Both region slots hold states; a third state (a reserve capped below SGLang's rows) needs
-    the one aligned run outside, blocks 3-5, which three checkpoints hold. While a hit being
-    restored pins one of them the run cannot be freed; once the pin is released it is."""
+def test_a_state_slot_takes_the_least_valuable_borrowers_not_the_fewest():
+    """Checkpoints borrowed both region slots: one slot holds three cold turn ends, the other one
+    state that thirty requests restored from since. A new active state evicts the three cold ones
+    (it took the slot holding the fewest checkpoints before: the hot one)."""
     led, lc, evictor, kv = build()
-    assert sorted(led.active_alloc() for _ in range(2)) == sorted(led.region_slots)
-    cks = [place(lc, kv, t) for t in range(3)]
-    assert led.free_blocks() == 0
-    res = lc.tree.match_prefix([0] * 64 + [7])  # a hit on the first: pinned until its copy lands
-    assert res.restore_len == 64 and res.checkpoint is cks[0]
+    cold = [place(lc, kv, t) for t in range(6)]  # blocks 5,4,3 then 11,10,9 (region slot 3)
+    hot = place(lc, kv, 99)  # block 8 (region slot 2, alone)
+    for c in range(30):
+        res = lc.tree.match_prefix([99] * 64 + [c])  # pinned: a restore, counted as a hit
+        assert res.restore_len == 64
+        lc.tree.release_pin(res.pin)
+    assert sorted(len(v) for v in led.active_victims()) == [1, 3]
     evictor.for_active(1)
-    assert led.free_slots() == 0 and cks[0].node is not None
-    lc.tree.release_pin(res.pin)
-    evictor.for_active(1)
-    assert led.free_slots() == 1 and all(ck.node is None for ck in cks)
-    assert led.active_alloc() == 1
+    assert led.active_alloc() is not None
+    assert hot.node is not None
+    assert [ck.node is None for ck in cold] == [False] * 3 + [True] * 3
     led.check()

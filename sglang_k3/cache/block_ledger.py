@@ -38,14 +38,12 @@ block when its request releases it. Three rules keep that from stranding memory:
    block empties (:meth:`sglang_k3.cache.lifecycle.CacheLifecycle.evict_until`); the bytes that
    took are counted (``reclaim_evicted_bytes``).
 
-Active slots have a region: the top ``active_reserve`` slots (``active_span`` blocks each,
-aligned), which nothing else ever takes. The server sizes it to SGLang's request rows, and a
-request holds its state only while it holds a row (``docs/sglang_cache_contract.md`` §6), so a
-request always finds a whole free slot there. Checkpoints do not borrow it: a borrowed checkpoint
-that a hit pins (until its copy lands) could not be evicted when every row needs its state, and
-that is SGLang's fatal allocation assertion. A state beyond the region (a reserve capped below the
-rows by a small state pool) takes an aligned run of free blocks elsewhere, evicting by value to
-make one.
+Active slots have a region: the top ``active_reserve`` slots (SGLang's own count of mamba slots,
+``active_span`` blocks each, aligned) that KV never takes, so a request can always get a state
+slot. Checkpoints may borrow region blocks when no other block is free (a checkpoint is
+evictable); an active slot that finds no whole free slot evicts the checkpoints of the slot that
+holds the fewest (:meth:`BlockLedger.active_victims`). When those cannot go (pinned: the hit being
+restored may sit in the last free slot), a state takes any aligned run of free blocks elsewhere.
 
 After a flush (:meth:`clear`) every block but the reserved ones (slot 0's span, the padding target)
 is free and the largest free run is the whole rest of the budget.
@@ -220,13 +218,14 @@ class BlockLedger:
         for b in range(g.reserved_blocks):
             self.kind[b] = Kind.RESERVED
         self._free_out = set(range(g.reserved_blocks, g.num_blocks)) - self._region  # KV may take these
-        self._free_in = set(self._region)  # the active region's free blocks (states only)
+        self._free_in = set(self._region)  # the active region's free blocks
         self._kv_free: dict[int, list[int]] = {}  # KV block -> free token offsets (a stack)
         self._kv_used: dict[int, bytearray] = {}  # KV block -> 1 where the token is allocated
         self._kv_free_total = 0
         self._kv_partial: set[int] = set()  # KV blocks with at least one free token
         self._ck_partial: set[int] = set()  # checkpoint blocks with at least one free sub-slot
         self._ck_free: dict[int, set[int]] = {}  # checkpoint block -> free sub-slots
+        self._ck_blocks_out = 0  # checkpoint blocks outside the active region
         self._active: set[int] = set()  # active slots (each ``span`` blocks)
         self._ckpt_live = 0
 
@@ -270,9 +269,12 @@ class BlockLedger:
         return slot not in self._active and all(b in pool for b in self._slot_blocks(slot))
 
     def _take_block(self, kind: Kind) -> Optional[int]:
-        """KV takes the lowest free block outside the active region, a checkpoint the highest
-        (unless KV's floor forbids); neither ever takes the region's."""
-        pool = self._free_out if kind == Kind.KV or self._ckpt_may_take_block() else None
+        """KV takes the lowest free block outside the active region; a checkpoint the highest,
+        borrowing the region's only when nothing else is free (or KV's floor forbids)."""
+        if kind == Kind.KV:
+            pool = self._free_out
+        else:
+            pool = self._free_out if self._ckpt_source_out() else self._free_in
         if not pool:
             return None
         b = min(pool) if kind == Kind.KV else max(pool)
@@ -379,6 +381,24 @@ class BlockLedger:
         c.peak_active_blocks = max(c.peak_active_blocks, len(self._active) * self.span)
         return s
 
+    def active_victims(self) -> list[list[int]]:
+        """For a state slot when none is whole and free: per region slot with no active state, the
+        checkpoint handles that occupy it (the caller ranks them by value). Evicting one list frees that slot."""
+        m = self.geom.ckpt_per_block
+        out = []
+        for s in self.region_slots:
+            if s in self._active:
+                continue
+            handles = [
+                b * m + sub
+                for b in self._slot_blocks(s)
+                if b in self._ck_free
+                for sub in range(m)
+                if sub not in self._ck_free[b]
+            ]
+            out.append(handles)
+        return out
+
     def active_free(self, s: int) -> None:
         if s not in self._active:
             raise LedgerError(f"state slot {s} is not an active slot")
@@ -390,11 +410,14 @@ class BlockLedger:
     def ckpt_at_cap(self) -> bool:
         return bool(self.max_checkpoints) and self.ckpt_count() >= self.max_checkpoints
 
-    def _ckpt_may_take_block(self) -> bool:
-        """Whether a checkpoint may take a free block now (outside the region; KV's floor)."""
+    def _ckpt_source_out(self) -> bool:
+        """Whether a checkpoint may take a block outside the active region now (KV's floor)."""
         if not self._free_out:
             return False
         return not self.min_kv_tokens or self.kv_capacity() - self.geom.kv_per_block >= self.min_kv_tokens
+
+    def _ckpt_may_take_block(self) -> bool:
+        return self._ckpt_source_out() or bool(self._free_in)
 
     def ckpt_has_room(self) -> bool:
         """Whether :meth:`ckpt_alloc` would succeed now."""
@@ -412,6 +435,7 @@ class BlockLedger:
             b = self._take_block(Kind.CKPT)
             assert b is not None
             self._ck_free[b] = set(range(m))
+            self._ck_blocks_out += b not in self._region
             self._ck_partial.add(b)
         free = self._ck_free[b]
         sub = min(free)
@@ -432,6 +456,7 @@ class BlockLedger:
         self._ckpt_live -= 1
         if len(free) == m:
             del self._ck_free[b]
+            self._ck_blocks_out -= b not in self._region
             self._ck_partial.discard(b)
             self._give_back(b)
 
@@ -440,17 +465,17 @@ class BlockLedger:
         if self.ckpt_at_cap():
             return 0
         part = sum(len(self._ck_free[b]) for b in self._ck_partial)
-        more = self.geom.ckpt_per_block * len(self._free_out) if self._ckpt_may_take_block() else 0
+        more = self.geom.ckpt_per_block * self.free_blocks() if self._ckpt_may_take_block() else 0
         n = part + more
         return min(n, self.max_checkpoints - self.ckpt_count()) if self.max_checkpoints else n
 
     def ckpt_count(self) -> int:
         return self._ckpt_live
 
-    def ckpt_block_count(self) -> int:
-        """Blocks holding checkpoints (all outside the active region; KV may have them once they
-        empty). Asked several times a scheduler step by the KV allocator's size: O(1)."""
-        return len(self._ck_free)
+    def ckpt_blocks_outside_region(self) -> int:
+        """Checkpoint blocks KV could have once they empty (counted as blocks come and go: the
+        KV allocator's size asks it several times a scheduler step)."""
+        return self._ck_blocks_out
 
     def block_of_checkpoint(self, ck) -> int:
         """For eviction by block: the block a tree checkpoint's (first) handle lives in."""
@@ -494,8 +519,10 @@ class BlockLedger:
                 seen[b] = kind
         if not self._free_in <= self._region or self._free_out & self._region:
             raise LedgerError("the active region's free blocks are misfiled")
-        if any(b in self._region for b in (*self._kv_free, *self._ck_free)) or 0 in self._active:
-            raise LedgerError("KV or a checkpoint in the active region, or an active state on the padding target")
+        if any(b in self._region for b in self._kv_free) or 0 in self._active:
+            raise LedgerError("KV in the active region, or an active state on the padding target")
+        if self._ck_blocks_out != sum(1 for b in self._ck_free if b not in self._region):
+            raise LedgerError("the count of checkpoint blocks outside the active region is off")
         for b, k in enumerate(self.kind):
             if b < self.geom.reserved_blocks:
                 if k != Kind.RESERVED or b in seen:

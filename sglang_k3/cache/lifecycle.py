@@ -678,6 +678,31 @@ class CacheLifecycle:
             self._release_done_pins()
         return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes))
 
+    def evict_handles(self, handles: Sequence[int]) -> Freed:
+        """Evict exactly the checkpoints holding ``handles`` (e.g. the ones in a block the host
+        needs back), all or nothing: if any of them is pinned or its copy has not landed, none
+        goes."""
+        cks = self._owners(handles)
+        if any(not self.tree.checkpoint_evictable(ck) for ck in cks):
+            return Freed()
+        self._release_done_pins()
+        freed = Freed()
+        for ck in cks:
+            freed.extend(self.tree.evict_checkpoint(ck))
+        return self._apply(freed)
+
+    def _owners(self, handles: Sequence[int]) -> list[Checkpoint]:
+        """The checkpoints holding ``handles``, each once (a checkpoint may hold several)."""
+        cks = {id(ck): ck for ck in (self.tree.checkpoint_of(h) for h in handles) if ck is not None}
+        return list(cks.values())
+
+    def rank_handle_groups(self, groups: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Of ``groups`` of checkpoint handles (each freeing memory only as a whole, e.g. the
+        handles in one state slot's blocks), those :meth:`evict_handles` can take now, least
+        valuable first by the tree's price of their checkpoints."""
+        owners = [self._owners(hs) for hs in groups]
+        return [[h for ck in g for h in ck.held_handles()] for g in self.tree.rank_checkpoint_groups(owners)]
+
     def evict_until(
         self,
         done: Callable[[], bool],

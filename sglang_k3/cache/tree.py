@@ -813,6 +813,13 @@ class K3RadixTree:
             max(self.wanted(c) for c in cks),
         )
 
+    def rank_checkpoint_groups(self, groups: Sequence[list[Checkpoint]]) -> list[list[Checkpoint]]:
+        """``groups`` (each a set of checkpoints that only free memory together, e.g. one state
+        slot's blocks) whose checkpoints are all evictable, least valuable first, priced as
+        :meth:`evict_ranked` prices them."""
+        ok = [g for g in groups if g and all(map(self.checkpoint_evictable, g))]
+        return [c.obj for c in rank([self._candidate(g) for g in ok], self.policy.alpha)]  # type: ignore[misc]
+
     def _evict_superseded(
         self, need: int, freed: Freed, keep: int, group: Optional[Callable[[Checkpoint], int]]
     ) -> int:

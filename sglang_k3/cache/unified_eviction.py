@@ -5,8 +5,8 @@ Every shortage evicts the least valuable KV and checkpoints together
 (:meth:`~sglang_k3.cache.lifecycle.CacheLifecycle.evict_until`) until the
 :class:`~sglang_k3.cache.block_ledger.BlockLedger` has what was asked for, and the ledger counts
 what it cost (``reclaims``, ``reclaim_evicted_bytes``). When whole blocks are needed (for KV or an
-active state), the checkpoints of one block (or of one state slot's blocks) compete as one
-candidate. Torch-free.
+active state), the checkpoints of one block compete as one candidate; a state slot is freed by
+evicting the checkpoints that borrowed its blocks. Torch-free.
 """
 
 from __future__ import annotations
@@ -49,14 +49,24 @@ class UnifiedEviction:
         )
 
     def for_active(self, want: int) -> Freed:
-        """Until ``want`` state slots are whole and free, or no more can be. The active region
-        holds states only and has a slot for every request row, so this runs only when more
-        states are live than it has slots (a reserve capped below SGLang's rows by a small state
-        pool): KV and checkpoints outside it go by value, one candidate (a leaf's KV, or the
-        checkpoints of one slot's blocks) at a time, until a run of ``span`` blocks is free."""
-        led = self.ledger
+        """Until ``want`` state slots are whole and free, or no more can be: KV never enters the
+        active region, so a slot is held only by checkpoints that borrowed its blocks; those of
+        the slot they are worth least in go (the tree's price: FLOPs saved per byte, with
+        recency), so a hot state, e.g. a shared system prompt's, does not go for a cold one's
+        slot. A pinned or unlanded checkpoint keeps its slot (the hit being restored may sit in
+        the last one): then KV and checkpoints elsewhere go by value, one candidate (a leaf's KV,
+        or a slot's checkpoints) at a time, until a run of ``span`` blocks is free there."""
+        led, total = self.ledger, Freed()
 
         def enough() -> bool:
             return led.free_slots(limit=want) >= want
 
-        return self._until(enough, 1, lambda ck: led.block_of_checkpoint(ck) // led.span)
+        for handles in self.lifecycle.rank_handle_groups(led.active_victims()):
+            if enough():
+                break
+            freed = self.lifecycle.evict_handles(handles)  # ranked groups are never empty
+            led.note_reclaim(freed.checkpoint_bytes, 0)
+            total.extend(freed)
+        if not enough():  # the region's borrowers cannot go now: free a run elsewhere, by value
+            total.extend(self._until(enough, 1, lambda ck: led.block_of_checkpoint(ck) // led.span))
+        return total

@@ -451,13 +451,14 @@ class K3RadixCache(BasePrefixCache):
         self.evictor.for_active(want)
 
     def _reclaimable_checkpoint_blocks(self) -> int:
-        """Blocks that evicting every evictable checkpoint (above the floor) would surely free: a
-        block keeps out only while it holds a checkpoint that cannot go."""
+        """Blocks outside the active region that evicting every evictable checkpoint (above the
+        floor) would surely free: a block keeps out only while it holds a checkpoint that cannot
+        go."""
         led = self.ledger
         held = self.tree.checkpoint_count()
         stuck = held - self.tree.evictable_checkpoint_bytes() // max(1, self.store.slot_bytes)
         stuck = max(stuck, min(held, self.cfg.min_checkpoints))
-        return max(0, led.ckpt_block_count() - stuck)
+        return max(0, led.ckpt_blocks_outside_region() - stuck)
 
     def _evict_checkpoints_for_kv(self, n: int) -> None:
         """The KV allocator found fewer than ``n`` tokens: evict until it has them."""
@@ -471,7 +472,7 @@ class K3RadixCache(BasePrefixCache):
             target = self.token_to_kv_pool_allocator.available_size() + params.num_tokens
             freed = self.evictor.for_kv(target, params.num_tokens)
             result.num_tokens_evicted = len(freed.kv_indices)
-        if params.mamba_num > 0:  # short of state slots (more live than the region has): free a run elsewhere
+        if params.mamba_num > 0:  # short of state slots: free the region's slots checkpoints borrowed
             before = led.free_slots()
             self._evict_for_active(before + params.mamba_num)
             result.mamba_num_evicted = max(0, led.free_slots() - before)

@@ -16,12 +16,9 @@ What SGLang sees (``docs/sglang_cache_contract.md`` §1h for the checks these ke
 * KV allocator: ``available_size()`` = free KV tokens + free blocks beyond the active reserve;
   ``size`` = KV blocks held + those, so ``available + cached + in use == size`` holds at all times.
 * State-slot allocator and ``mamba_pool.size``: the active reserve ``R`` (SGLang's own count of
-  request rows); ``available_size() = R - active``; ``schedulable_available_size()`` = the free
-  slots a state can take now. A request holds its state only while it holds a row, the overlap
-  scheduler included (``docs/sglang_cache_contract.md`` §6), and nothing else enters the region,
-  so a state slot is always there. Only a reserve capped below the rows (a small
-  ``--max-mamba-cache-size``) can be short; then SGLang asks the cache to evict (``mamba_num``),
-  which evicts by value until an aligned run of blocks is free elsewhere.
+  request slots); ``available_size() = R - active``; ``schedulable_available_size()`` = the free
+  blocks a slot can take now. When short, SGLang asks the cache to evict (``mamba_num``), which
+  evicts by value until blocks are free.
 """
 
 from __future__ import annotations
@@ -157,14 +154,15 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         got = super().alloc(need_size)
         if got is None and self.evict_blocks is not None:
-            # until need_size slots are free: KV and checkpoints outside the region go, by value
-            # (never live data: only the tree's unlocked)
+            # until need_size slots are free: the checkpoints borrowing region slots go, else KV
+            # and checkpoints elsewhere, by value (never live data: only the tree's unlocked)
             self.evict_blocks(need_size)
             got = self._do_alloc(need_size)
         if got is None and self.ledger.free_slots(limit=need_size) >= need_size:
-            # More states live than the reserve (capped below SGLang's rows by its state pool):
-            # free blocks elsewhere hold them; SGLang would otherwise stop the server on its
-            # allocation assertion.
+            # More states live than SGLang's count of request slots (the reserve): under the
+            # overlap scheduler admission runs before the last step's results release their
+            # requests (a request that finished at its prefill still holds its slot). Free
+            # blocks hold them; SGLang would otherwise stop the server on its allocation assertion.
             got = torch.tensor(
                 [self.ledger.active_alloc() for _ in range(need_size)], dtype=torch.int64, device=self.device
             )
@@ -188,15 +186,12 @@ def mla_pool_of(token_to_kv_pool):
     return full
 
 
-def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
+def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = False):
     """Size the budget as SGLang sized its two pools and check the floors fit. The active reserve
-    is SGLang's count of request rows (capped by its state pool): a request holds a state only
-    while it holds a row, under the overlap scheduler too, where the requests that finished in the
-    step before still hold both (``docs/sglang_cache_contract.md`` §6). An earlier reserve of two
-    per row, under overlap, answered SGLang's allocation assertion seen in pressure runs; its cause
-    was region slots held by checkpoints that could not be evicted (pinned hits, some of them held
-    by requests SGLang had refused), not more states than rows, and checkpoints no longer borrow
-    the region."""
+    is SGLang's count of request slots: one state per running request, twice that under the
+    overlap scheduler, where the next batch is admitted while the last one's requests (finished
+    ones too) still hold their states. With one per request, three of four live A/B pressure runs
+    stopped on SGLang's allocation assertion (5 states wanted against 4)."""
     state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
     ckpt = CheckpointLayout.of_state(state, parse_checkpoint_dtype(cfg.checkpoint_dtype))
     kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
@@ -207,7 +202,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     geom = plan_geometry(
         kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
     )
-    reserve = max(1, min(int(mamba_pool.size), int(max_running)))
+    reserve = max(1, min(int(mamba_pool.size), int(max_running) * (2 if overlap else 1)))
     span = geom.active_span
     need = {
         f"the padding target ({span} blocks)": span,
@@ -236,7 +231,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     return ledger, state, ckpt, sizes
 
 
-def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
+def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overlap: bool = False):
     """Rebuild the KV and state pools over one buffer; returns the new KV allocator, or None when
     this configuration has no unified pool (not an MLA + KDA hybrid)."""
     kv_pool = mla_pool_of(token_to_kv_pool)
@@ -253,7 +248,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
             allocator.page_size,
         )
         return None
-    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
+    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size, overlap=overlap)
     g = ledger.geom
     n_layers, dim = len(kv_pool.kv_buffer), kv_pool.kv_buffer[0].shape[-1]
     kv_dtype, device = kv_pool.kv_buffer[0].dtype, kv_pool.kv_buffer[0].device
