@@ -21,7 +21,8 @@ In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer`
   the forward stream before the KDA layers (``mamba_cow_src_index``); int8/bf16: the hit is
   dequantized at the forward's first KDA layer, with the forward's other hits in one launch. The
   pin is held until that copy has landed: it is released at the request's first ``checkpoint``
-  (after its first forward), at release, or when the request is matched again. ``req.lock``
+  (after its first forward), at release, when the request is matched again, or when SGLang's prefill
+  adder refuses it (:meth:`match_not_admitted`). ``req.lock``
   protects the request's KV path, not the checkpoints on it: the request's state is its own
   private copy, so checkpoints stay evictable while it runs.
 * **Chunk end / prompt end** (request still running): the live slot is copied into a new

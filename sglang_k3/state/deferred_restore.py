@@ -12,7 +12,8 @@ every pending hit in one ``gather_dequant`` launch, before that layer reads the 
 One per cache (it owns it: :mod:`sglang_k3.state.forward_state`). The checkpoint slot stays
 pinned in the tree until the request's next ``checkpoint`` (the cache's rule for deferred
 copies), so it cannot be evicted or reused before the flush. A request
-that is matched again, released or aborted before its forward drops its entry (:meth:`drop`).
+that is matched again, refused by SGLang's prefill adder, released or aborted before its
+forward drops its entry (:meth:`drop`).
 A pending entry is keyed by request id, and an active slot is owned by one live request, so a
 flush never writes a slot another request owns.
 """
