@@ -40,10 +40,7 @@ def unify_pools(result, self, *args, **kwargs):
         return result
     from sglang_k3.integration.unified_memory import install
 
-    overlap = not getattr(get_server_args(), "disable_overlap_schedule", True)
-    alloc = install(
-        cfg, result.req_to_token_pool, result.token_to_kv_pool, result.token_to_kv_pool_allocator, overlap=overlap
-    )
+    alloc = install(cfg, result.req_to_token_pool, result.token_to_kv_pool, result.token_to_kv_pool_allocator)
     if alloc is None:
         return result
     return msgspec.structs.replace(result, token_to_kv_pool_allocator=alloc)

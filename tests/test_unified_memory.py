@@ -211,14 +211,12 @@ def test_more_live_states_than_the_reserve_take_free_memory_never_live_data():
     assert slots.available_size() == led.active_reserve
 
 
-def test_the_overlap_scheduler_doubles_the_active_reserve_within_sglangs_state_pool():
-    """Under the overlap scheduler the next batch is admitted while the last one's requests still
-    hold their states: one state slot per running request is not enough (SGLang asserted with 5
-    states wanted against a reserve of 4), so the reserve is two per request, never more than the
+def test_the_active_reserve_is_sglangs_rows_within_its_state_pool():
+    """A request holds a state only while it holds a row, under the overlap scheduler too
+    (``docs/sglang_cache_contract.md`` §6): the reserve is one slot per row, never more than the
     state pool SGLang sized."""
     cache, kv, _ = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6)
     pool = cache.req_to_token_pool.mamba_pool
     size = int(pool.size)
     assert plan(K3Config(), kv.full_kv_pool, pool, max_running=2)[0].active_reserve == min(size, 2)
-    assert plan(K3Config(), kv.full_kv_pool, pool, max_running=2, overlap=True)[0].active_reserve == min(size, 4)
-    assert plan(K3Config(), kv.full_kv_pool, pool, max_running=100, overlap=True)[0].active_reserve == size
+    assert plan(K3Config(), kv.full_kv_pool, pool, max_running=100)[0].active_reserve == size

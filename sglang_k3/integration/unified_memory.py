@@ -159,9 +159,8 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
             self.evict_blocks(need_size)
             got = self._do_alloc(need_size)
         if got is None and self.ledger.free_slots(limit=need_size) >= need_size:
-            # More states live than SGLang's count of request slots (the reserve): under the
-            # overlap scheduler admission runs before the last step's results release their
-            # requests (a request that finished at its prefill still holds its slot). Free
+            # More states live than the region holds: a borrower that cannot go (a pinned hit)
+            # keeps a slot, or the reserve is capped below SGLang's rows by its state pool. Free
             # blocks hold them; SGLang would otherwise stop the server on its allocation assertion.
             got = torch.tensor(
                 [self.ledger.active_alloc() for _ in range(need_size)], dtype=torch.int64, device=self.device
@@ -186,12 +185,14 @@ def mla_pool_of(token_to_kv_pool):
     return full
 
 
-def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = False):
+def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
     """Size the budget as SGLang sized its two pools and check the floors fit. The active reserve
-    is SGLang's count of request slots: one state per running request, twice that under the
-    overlap scheduler, where the next batch is admitted while the last one's requests (finished
-    ones too) still hold their states. With one per request, three of four live A/B pressure runs
-    stopped on SGLang's allocation assertion (5 states wanted against 4)."""
+    is SGLang's count of request rows (capped by its state pool): a request holds a state only
+    while it holds a row, under the overlap scheduler too (``docs/sglang_cache_contract.md`` §6).
+    Checkpoints borrow the region while it is free and go, by value, when a state needs it back;
+    when one cannot go (a pinned hit), the state takes free blocks elsewhere (``active_overflows``).
+    An earlier reserve of two slots per row under overlap held a quarter of the live A/B's pressure
+    budget that KV could never use (peak states: 4 of the 8 held back)."""
     state = StateLayout.of_mamba_cache(mamba_pool.mamba_cache)
     ckpt = CheckpointLayout.of_state(state, parse_checkpoint_dtype(cfg.checkpoint_dtype))
     kv_token_bytes = sum(b[0].numel() * b.element_size() for b in kv_pool.kv_buffer)
@@ -202,7 +203,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = F
     geom = plan_geometry(
         kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
     )
-    reserve = max(1, min(int(mamba_pool.size), int(max_running) * (2 if overlap else 1)))
+    reserve = max(1, min(int(mamba_pool.size), int(max_running)))
     span = geom.active_span
     need = {
         f"the padding target ({span} blocks)": span,
@@ -231,7 +232,7 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, overlap: bool = F
     return ledger, state, ckpt, sizes
 
 
-def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overlap: bool = False):
+def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     """Rebuild the KV and state pools over one buffer; returns the new KV allocator, or None when
     this configuration has no unified pool (not an MLA + KDA hybrid)."""
     kv_pool = mla_pool_of(token_to_kv_pool)
@@ -248,7 +249,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator, overl
             allocator.page_size,
         )
         return None
-    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size, overlap=overlap)
+    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
     g = ledger.geom
     n_layers, dim = len(kv_pool.kv_buffer), kv_pool.kv_buffer[0].shape[-1]
     kv_dtype, device = kv_pool.kv_buffer[0].dtype, kv_pool.kv_buffer[0].device
