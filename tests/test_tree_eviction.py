@@ -179,6 +179,24 @@ def test_joint_eviction_trims_kv_no_restore_can_use_first():
     assert ck.node is not None
 
 
+def test_dropping_a_turn_end_counts_and_frees_the_whole_chain_it_kept_alive():
+    """A turn's path is a chain of nodes (split where a later prompt and an export matched), and
+    its turn-end state is the chain's only one: dropping it frees the whole chain in the same
+    call, counted, so an eviction asked for a few tokens takes one turn end, not one per
+    chain-end node (the KV only the last node holds)."""
+    tree, kv, h = build(alpha=1.0)
+    key = [1] * 128 + [2] * 128 + [3] * 128
+    for cut in (128, 256, 320, 384):  # each insert adds a node under the last: a chain of four
+        tree.insert(key[:cut], kv.alloc(cut))  # the tokens it already holds stay the tree's
+    node = tree._walk(key)[0][-1]
+    assert node.start == 320 and node.end == 384
+    ck = tree.add_checkpoint(node, 384, h.alloc(1), nbytes=1000, ready=True)
+    freed = tree.evict_ranked(need_bytes=1)
+    assert freed.handles == ck.handles
+    assert len(freed.kv_indices) == 384 and tree.total_size() == 0
+    tree.check_invariants()
+
+
 def test_joint_eviction_keeps_the_checkpoint_floor():
     tree, kv, h = build(alpha=1.0)
     branch(tree, kv, h, 1, 256, [256])

@@ -124,3 +124,46 @@ def test_an_emptied_queue_ends_the_wants():
     assert not tree.wanted(a)
     tree.match_prefix(kb + [9], pin=False)
     assert evicted_order(tree, 1) == a.handles  # LRU again
+
+
+def test_room_for_a_new_checkpoint_never_evicts_a_wanted_one():
+    """A queued request's want is a known next use; a new state's use is a guess. Room for a new
+    checkpoint (``spare_wanted``) takes only what no waiting request wants, and gets nothing when
+    everything is wanted; room for KV (which a running request must have) still takes them, the
+    queue's tail first."""
+    tree, kv, h = build()
+    convs = [conversation(tree, kv, h, tag) for tag in range(1, 4)]
+    refresh(tree, [convs[i][0] + [99] for i in (0, 1)])  # 1 at the head, then 2; nobody wants 3
+    ck = [c for _, c in convs]
+    freed = tree.evict(num_bytes=1, spare_wanted=True)
+    assert freed.handles == ck[2].handles
+    assert tree.evict(num_bytes=1, spare_wanted=True).handles == []  # only wanted ones are left
+    assert tree.checkpoint_count() == 2
+    assert tree.evict_ranked(1, spare_wanted=True).handles == []
+    assert tree.evict(num_bytes=1).handles == ck[1].handles  # not sparing: the tail goes first
+    tree.check_invariants()
+
+
+def test_a_shared_state_a_queued_request_falls_back_to_is_wanted_too():
+    """Two conversations over one system prompt, each with a state at its own turn end and a
+    shared one where they part. Both wait: their turn ends are wanted, and so is the shared state
+    under them (if a turn end goes, its request restores there). A finished conversation no one
+    waits for goes before it. Without the fallback want, the shared state, older than every turn
+    end, went first under a tie of recency against efficiency, and the queued requests whose turn
+    ends went next missed the system prompt too (seen on the live A/B's ``multiturn`` under
+    ``--pressure``)."""
+    tree, kv, h = build()
+    system = [7] * 128
+    ends = []
+    for tag in (1, 2, 3):
+        key = system + [tag] * 128
+        node = tree.insert(key, kv.alloc(len(key))).node
+        ends.append((key, tree.add_checkpoint(node, len(key), h.alloc(1), nbytes=1000, ready=True)))
+    node = tree._walk(system)[0][-1]  # the conversations part at 128: a node ends there
+    assert node.end == 128
+    shared = tree.add_checkpoint(node, 128, h.alloc(1), nbytes=1000, ready=True)
+    assert tree.is_branch_point(shared)
+    refresh(tree, [ends[0][0] + [99], ends[1][0] + [99]])  # 3 finished; its next turn is not queued
+    assert tree.wanted(shared) and tree.wanted(ends[0][1]) and not tree.wanted(ends[2][1])
+    assert evicted_order(tree, 1) == ends[2][1].handles
+    tree.check_invariants()

@@ -672,11 +672,12 @@ class CacheLifecycle:
             self._free_kv(kv)
         return freed
 
-    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> Freed:
-        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible."""
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0, spare_wanted: bool = False) -> Freed:
+        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible
+        (``spare_wanted``: as in :meth:`evict_until`)."""
         if num_bytes > 0:
             self._release_done_pins()
-        return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes))
+        return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes, spare_wanted=spare_wanted))
 
     def evict_handles(self, handles: Sequence[int]) -> Freed:
         """Evict exactly the checkpoints holding ``handles`` (e.g. the ones in a block the host
@@ -709,17 +710,26 @@ class CacheLifecycle:
         step_bytes: int,
         keep_checkpoints: int = 0,
         group: Optional[Callable[[Checkpoint], int]] = None,
+        spare_wanted: bool = False,
     ) -> Freed:
         """For a budget KV and checkpoints share: evict the least valuable of both, about
         ``step_bytes`` at a time (:meth:`K3RadixTree.evict_ranked`; ``group`` makes checkpoints
         that share a block go together), executing each batch's frees, until ``done()`` says the
-        memory asked for is there or nothing more can go."""
+        memory asked for is there or nothing more can go.
+
+        ``spare_wanted``: no checkpoint a waiting request wants goes. Room for a new checkpoint
+        asks this. A queued request's want is a known next use; a new state's use is a guess
+        (a prompt end is superseded a few decode steps later; a generation end serves a next
+        turn not yet queued, so it comes after every queued one). Evicting the known for the
+        guess is what Belady's MIN never does: it bypasses the new one instead. Seen on the live
+        A/B's ``multiturn`` under ``--pressure``: the prompt-end states of the running batch
+        evicted the turn-end states of the next queued turns, which then missed."""
         total = Freed()
         if done():
             return total
         self._release_done_pins()
         while not done():
-            freed = self._apply(self.tree.evict_ranked(max(1, step_bytes), keep_checkpoints, group))
+            freed = self._apply(self.tree.evict_ranked(max(1, step_bytes), keep_checkpoints, group, spare_wanted))
             if not freed.actions:
                 break
             total.extend(freed)

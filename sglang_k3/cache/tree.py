@@ -264,15 +264,24 @@ class K3RadixTree:
         refresh that follows the admission knows. Clearing it there let a batch's first admission
         expose the shared state to the batch's own allocations: with fp32 checkpoints under the
         live A/B's pressure budget, whole batches of four then missed the system prompt (5,120
-        cached tokens of 21,760, against 8,276 when the want holds)."""
+        cached tokens of 21,760, against 8,276 when the want holds).
+
+        The shared states below the one it would restore from (branch points on its path) become
+        wanted too: if that one goes, the request restores there. Otherwise such a state, older
+        than every turn end above it, was evicted first, and the queued turns whose own states
+        went after it missed their system prompt as well."""
         if self._clock != self._last_touch:
             self._wanted_since = self._clock + 1
             self.stats.waiting_refreshes += 1
-        best = self._lookup(key)[3]
+        path, _, _, best, _ = self._lookup(key)
         self._last_touch = self._clock
         if best is None:
             return 0
         best.wanted = self._clock
+        for node in path:  # the shared states it falls back to if ``best`` goes
+            for ck in node.checkpoints.values():
+                if ck.pos < best.pos and self.is_branch_point(ck):
+                    ck.wanted = self._clock  # a later touch is nearer the queue's head: it wins
         return best.pos
 
     def end_wants(self) -> None:
@@ -677,11 +686,12 @@ class K3RadixTree:
         ages out."""
         return self.saved_flops(ck) * (1 + math.log2(1 + ck.hits))
 
-    def evict(self, num_tokens: int = 0, num_bytes: int = 0) -> Freed:
-        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible."""
+    def evict(self, num_tokens: int = 0, num_bytes: int = 0, spare_wanted: bool = False) -> Freed:
+        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible;
+        with ``spare_wanted`` no checkpoint a waiting request wants goes (room for a new one)."""
         freed = Freed()
         if num_bytes > 0:
-            freed.extend(self._evict_checkpoints(num_bytes))
+            freed.extend(self._evict_checkpoints(num_bytes, spare_wanted))
         if num_tokens > 0:
             freed.extend(self._evict_kv(num_tokens))
         return freed
@@ -694,7 +704,7 @@ class K3RadixTree:
         self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
         return freed
 
-    def _evict_checkpoints(self, need: int) -> Freed:
+    def _evict_checkpoints(self, need: int, spare_wanted: bool = False) -> Freed:
         freed = Freed()
         got = self._evict_superseded(need, freed, 0, None)
         if got >= need:
@@ -702,7 +712,7 @@ class K3RadixTree:
         cands = [
             Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c))
             for c in self._ckpts.values()
-            if self.checkpoint_evictable(c)
+            if self.checkpoint_evictable(c) and not (spare_wanted and self.wanted(c))
         ]
         for cand in rank(cands, self.policy.alpha):
             if got >= need:
@@ -759,7 +769,11 @@ class K3RadixTree:
         return freed
 
     def evict_ranked(
-        self, need_bytes: int, keep_checkpoints: int = 0, group: Optional[Callable[[Checkpoint], int]] = None
+        self,
+        need_bytes: int,
+        keep_checkpoints: int = 0,
+        group: Optional[Callable[[Checkpoint], int]] = None,
+        spare_wanted: bool = False,
     ) -> Freed:
         """Free about ``need_bytes`` of KV and checkpoints together, least valuable first, for a
         budget both draw from. KV past a leaf's last checkpoint is worth nothing (no restore can
@@ -771,7 +785,8 @@ class K3RadixTree:
         count below this (a floor). ``group``: checkpoints that only free memory together (the
         sub-slots of one block of a unified budget) compete as one candidate and go together, so
         freeing a block takes the cheapest block's checkpoints, not the cheapest checkpoints of
-        many blocks."""
+        many blocks. ``spare_wanted``: no checkpoint a waiting request wants goes (the room is
+        for a new checkpoint, whose use is a guess: see :meth:`CacheLifecycle.evict_until`)."""
         freed = Freed()
         leaves = [n for n in self._leaves() if n.lock_ref == 0]
         self._trim_dead_tails(leaves, freed, lambda: self.policy.kv_bytes(len(freed.kv_indices)) >= need_bytes)
@@ -787,6 +802,8 @@ class K3RadixTree:
                 for c in self._ckpts.values():
                     by.setdefault(group(c), []).append(c)
                 cands = [self._candidate(g) for g in by.values() if all(map(self.checkpoint_evictable, g))]
+        if spare_wanted:
+            cands = [c for c in cands if not c.wanted]
         for cand in rank(cands, self.policy.alpha):
             if got >= need_bytes or self.checkpoint_count() <= keep_checkpoints:
                 break
@@ -795,8 +812,7 @@ class K3RadixTree:
                 if node is None or self.checkpoint_count() <= keep_checkpoints:
                     continue
                 f = self.evict_checkpoint(ck)
-                if node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
-                    f.extend(self._trim_leaf(node, self._keep_end(node)))  # the KV it kept alive
+                f.extend(self._trim_up(node))  # the KV it kept alive
                 got += f.checkpoint_bytes + self.policy.kv_bytes(len(f.kv_indices))
                 freed.extend(f)
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
@@ -869,6 +885,22 @@ class K3RadixTree:
         freed = Freed()
         self._trim_dead_tails([n for n in self._leaves() if n.lock_ref == 0], freed, enough)
         self.stats.evicted_kv_tokens += len(freed.kv_indices)
+        return freed
+
+    def _trim_up(self, node: Node) -> Freed:
+        """After ``node`` lost a checkpoint: its dead tail, and when that removes it, its parent's
+        while the parent became a leaf with KV past its last checkpoint, up to the next state or
+        fork. A turn's path is a chain of nodes (split where later turns and exports matched), so
+        dropping its turn-end state frees the whole chain. Counting only the last node's tail, an
+        eviction that asked for ~600 KV tokens took five turn ends and freed ~1,600 (the live
+        A/B's ``multiturn`` under ``--pressure``), the rest trimmed a round later, uncounted."""
+        freed = Freed()
+        while node.parent is not None and node.is_leaf and node.lock_ref == 0 and self._keep_end(node) < node.end:
+            parent, removed = node.parent, self._keep_end(node) == node.start
+            freed.extend(self._trim_leaf(node, self._keep_end(node)))
+            if not removed or parent is self.root:
+                break
+            node = parent
         return freed
 
     def _trim_dead_tails(self, leaves: list[Node], freed: Freed, enough: Callable[[], bool]) -> bool:

@@ -21,13 +21,17 @@ class UnifiedEviction:
         self.lifecycle, self.ledger = lifecycle, ledger
         self.keep_checkpoints = keep_checkpoints  # --k3-min-checkpoints: KV and slot pressure stop here
 
-    def _until(self, done, step_bytes: int, group=None) -> Freed:
+    def _until(self, done, step_bytes: int, group=None, spare_wanted: bool = False) -> Freed:
         """Evict by value until ``done()``. ``group``: checkpoints that only free memory together
         (a block's, or a state slot's run of blocks) go together; when whole blocks are wanted,
         the ``--k3-min-checkpoints`` floor holds too."""
         led = self.ledger
         freed = self.lifecycle.evict_until(
-            done, step_bytes, keep_checkpoints=self.keep_checkpoints if group else 0, group=group
+            done,
+            step_bytes,
+            keep_checkpoints=self.keep_checkpoints if group else 0,
+            group=group,
+            spare_wanted=spare_wanted,
         )
         led.note_reclaim(freed.checkpoint_bytes, len(freed.kv_indices))
         return freed
@@ -35,11 +39,14 @@ class UnifiedEviction:
     def for_checkpoint(self, nbytes: int) -> Freed:
         """Room for one more checkpoint of ``nbytes``; at ``--k3-max-checkpoints``, checkpoints
         only. Evicts about ``nbytes`` at a time, not a block: one evicted checkpoint makes room,
-        and asking for a block's bytes (a stride more than a checkpoint's) took a second one."""
+        and asking for a block's bytes (a stride more than a checkpoint's) took a second one.
+        No checkpoint a waiting request wants goes for a new one
+        (:meth:`~sglang_k3.cache.lifecycle.CacheLifecycle.evict_until`): without room the new
+        one is not placed."""
         led = self.ledger
         if led.ckpt_at_cap():
-            return self.lifecycle.evict(num_bytes=nbytes)
-        return self._until(led.ckpt_has_room, nbytes)
+            return self.lifecycle.evict(num_bytes=nbytes, spare_wanted=True)
+        return self._until(led.ckpt_has_room, nbytes, spare_wanted=True)
 
     def for_kv(self, target: int, step_tokens: int) -> Freed:
         """Until ``target`` KV entries are allocatable, about ``step_tokens`` at a time."""

@@ -444,7 +444,7 @@ class K3RadixCache(BasePrefixCache):
     # checkpoints together (sglang_k3.cache.unified_eviction, shared with the replay)
     def _evict_for_checkpoint(self, nbytes: int) -> None:
         if self.unified is None:
-            self.lifecycle.evict(num_bytes=nbytes)  # a checkpoint pool of their own
+            self.lifecycle.evict(num_bytes=nbytes, spare_wanted=True)  # a checkpoint pool of their own
         else:
             self.evictor.for_checkpoint(nbytes)
 
