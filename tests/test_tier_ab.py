@@ -34,7 +34,11 @@ def test_tier_ab_end_to_end(tmp_path):
     out = tmp_path / "out"
     args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]
     args += ["--conversations", "6", "--turns", "3", "--system-len", "64", "--first-len", "256"]
-    args += ["--user-len", "32", "--reply-len", "4", "--host-gib", "0.002", "--mooncake-segment-mib", "64"]
+    # A 4 MiB host tier (four or five fp32 states with their KV) overflows here too. At 2 MiB it had
+    # served 5 boundaries at ba9645f (device hit 0.040, +host 0.160); since the eviction changes of
+    # 23121b0 the device alone keeps those (0.160) and the 2 MiB tier served none, while 4 MiB
+    # served 4 (0.321), with 64 host evictions.
+    args += ["--user-len", "32", "--reply-len", "4", "--host-gib", "0.004", "--mooncake-segment-mib", "64"]
     args += ["--device-args", "--max-total-tokens 1024 --max-mamba-cache-size 6 --max-running-requests 2"]
     args += ["--server-args", "--k3-checkpoint-dtype fp32"]
     r = _run(args, 1200)
@@ -50,7 +54,7 @@ def test_tier_ab_end_to_end(tmp_path):
     dev, host, both = (srv[n] for n in ("device", "host", "host_mooncake"))
     assert dev["tiers"]["tier_loads"] == 0
     assert host["tiers"]["tier_host_hits"] > 0 and host["metrics"]["hit_rate"] > dev["metrics"]["hit_rate"]
-    assert both["tiers"]["tier_l3_hits"] > 0  # the 2 MiB host tier overflows; Mooncake keeps the rest
+    assert both["tiers"]["tier_l3_hits"] > 0  # the 4 MiB host tier overflows; Mooncake keeps the rest
     assert both["metrics"]["hit_rate"] >= host["metrics"]["hit_rate"]
     r = res["ratios_over_device"]["host"]["hit_rate"]
     assert r == pytest.approx(host["metrics"]["hit_rate"] / dev["metrics"]["hit_rate"])
