@@ -158,7 +158,7 @@ def test_quantized_stores_of_a_step_run_together(server_factory):
     a decode token past the prompt ends when those are checkpointed, so no live copy is made
     there: ``stale_state_skips``.) When a generation-end state lands, the prompt-end
     state at 150 it supersedes leaves the tree (one state per turn) and the exported one at 128
-    stays (marked superseded: the first to go under pressure) for a repeat of the prompt, so a
+    stays (marked superseded: priced at 0 under pressure) for a repeat of the prompt, so a
     request that continues the prompt differently restores at 128."""
     s = server_factory("k3_int8")
     _flush(s)

@@ -277,10 +277,11 @@ def test_one_state_per_turn_keeps_states_with_evidence_of_forks():
     lc.tree.check_invariants()
 
 
-def test_the_repeat_state_stays_superseded_and_goes_first():
+def test_the_repeat_state_stays_superseded_and_is_priced_at_nothing():
     """The state a repeat of the prompt restores from (the deepest one inside the prompt) stays
     when the generation end supersedes the turn, marked superseded: a repeat still hits it, and
-    under pressure it goes before any priced state; a hit clears the mark."""
+    under pressure it is priced at 0, so of states of its age it goes first (it competes on
+    recency alone: tests/test_tree_eviction.py); a hit clears the mark."""
     lc, store, _ = _lc()
     key = list(range(300))
     lc.match("a", key, admit=True, prompt_len=300)
@@ -293,7 +294,7 @@ def test_the_repeat_state_stays_superseded_and_goes_first():
     lc.release("a")
     cks = {c.pos: c for c in lc.tree.path_checkpoints(ins.node)}
     assert sorted(cks) == [256, 302] and cks[256].superseded and not cks[302].superseded
-    assert lc.match(None, key, admit=False).restore_len == 256  # a repeat of the prompt still hits
+    assert lc.tree.expected_saving(cks[256]) == 0 < lc.tree.expected_saving(cks[302])
     lc.evict_until(lambda: lc.tree.checkpoint_count() < 2, step_bytes=1)
     assert [c.pos for c in lc.tree.checkpoints()] == [302]  # the superseded one went first
     # a hit clears the mark
@@ -303,6 +304,7 @@ def test_the_repeat_state_stays_superseded_and_goes_first():
     lc2.checkpoint_running("a", n, 256, active_slot=1, kind=K.PROMPT_END)
     lc2.finish(lc2.insert(full, range(302)).node, 302, 302, active_slot=1, rid="a")
     lc2.release("a")
+    assert lc2.match(None, key, admit=False).restore_len == 256  # a repeat of the prompt still hits
     lc2.match("b", key, admit=True, prompt_len=300)
     assert not next(c for c in lc2.tree.checkpoints() if c.pos == 256).superseded
     lc2.release("b")

@@ -62,6 +62,33 @@ def test_efficiency_is_compared_on_a_log_scale_so_one_outlier_does_not_flatten_t
     assert order([Candidate(c.obj, c.last_access, c.saved_flops * 1e9, c.nbytes * 7) for c in cands]) == order(cands)
 
 
+def test_a_superseded_state_competes_on_recency_alone():
+    """A superseded state (kept only for a regeneration of its prompt) is priced at 0: among
+    states of about its age it goes first, but a state that went cold long ago goes before one
+    superseded a moment ago, in both the checkpoint pool's eviction and the unified budget's.
+    Before, superseded states went strictly first, and a prompt regenerated a few seconds after
+    its answer had nearly always lost its state (benchmarks/results/trace_replay_fork_edit)."""
+    for evict in (lambda t: t.evict(num_bytes=1), lambda t: t.evict_ranked(need_bytes=1)):
+        tree, kv, h = build(cost=preset("kimi-linear-48b"))
+        kc, _, [cold] = branch(tree, kv, h, 1, 1024, [1024])  # priced, never used again
+        ks, _, [sup] = branch(tree, kv, h, 2, 1024, [1024])  # the same saving, superseded just now
+        sup.superseded = True
+        tree.match_prefix(ks + [0], pin=False)  # a lookup (not a hit): the mark stays
+        freed = evict(tree)
+        assert freed.handles == cold.handles and sup.node is not None
+        assert sup.superseded and tree.expected_saving(sup) == 0
+        # of two states of the same age, the superseded one goes first
+        tree2, kv2, h2 = build(cost=preset("kimi-linear-48b"))
+        _, _, [a] = branch(tree2, kv2, h2, 1, 1024, [1024])
+        _, _, [b] = branch(tree2, kv2, h2, 2, 1024, [1024])
+        a.superseded = True
+        a.last_access = b.last_access
+        assert evict(tree2).handles == a.handles
+        # a hit clears the mark: it is priced again
+        tree.release_pin(tree.match_prefix(ks + [0], pin=True).pin)
+        assert not sup.superseded and tree.expected_saving(sup) > 0
+
+
 def test_superseded_close_checkpoint_saves_little():
     tree, kv, h = build(alpha=10.0)
     key, node, [c1, c2, c3] = branch(tree, kv, h, 1, 4096, [2048, 2112, 4096])

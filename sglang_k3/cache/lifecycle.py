@@ -551,7 +551,7 @@ class CacheLifecycle:
             ):
                 continue
             if ck.kind & CheckpointKind.PROMPT_END and self._repeat_state(rec, ck):
-                ck.superseded = True  # kept for a repeat of this prompt, but the first to go
+                ck.superseded = True  # kept for a repeat of this prompt, priced at 0 (recency alone)
                 continue
             freed.extend(self.tree.drop_checkpoint(ck, DropReason.RECYCLED))
         rec.placed = [ck for ck in rec.placed if ck.node is not None]

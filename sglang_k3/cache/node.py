@@ -51,7 +51,7 @@ class Checkpoint:
     last_access: int = 0
     hits: int = 0  # admitted matches that restored from it (evidence it is worth keeping)
     wanted: int = 0  # clock of the last waiting-queue touch that would restore from it (tree.touch)
-    superseded: bool = False  # serves only a repeat of its prompt: evicted before anything else
+    superseded: bool = False  # serves only a repeat of its prompt: priced at 0, so recency alone keeps it
 
     @property
     def complete(self) -> bool:

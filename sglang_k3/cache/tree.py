@@ -46,7 +46,6 @@ Design
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.eviction import Candidate, EvictionPolicy, rank
@@ -683,7 +682,18 @@ class K3RadixTree:
         from 0.058 to 0.045 at 20-80 GiB, for +0.009 at 40 GiB unified;
         ``benchmarks/results/trace_replay`` has the measured default. Recency stays the other
         term (:func:`~sglang_k3.cache.eviction.rank`), so a once-hot state that went cold still
-        ages out."""
+        ages out.
+
+        A superseded state (kept only for a repeat of its prompt, see
+        :meth:`CacheLifecycle._drop_superseded`) is priced at 0 until a hit clears the mark: it
+        competes on recency alone, so it goes before any priced state of about its age, but a
+        prompt regenerated a few seconds after its answer still finds it while states that went
+        cold long ago go first. Strictly first (the rule before) lost nearly every repeat state
+        before its regeneration came: on the fork-heavy generator's chat mix (README, "Trace
+        replay"; ``benchmarks/results/trace_replay_fork_chat``) k3 then trailed Marconi at
+        10-40 GiB; the conversation trace moved by less than 0.001."""
+        if ck.superseded:
+            return 0.0
         return self.saved_flops(ck) * (1 + math.log2(1 + ck.hits))
 
     def evict(self, num_tokens: int = 0, num_bytes: int = 0, spare_wanted: bool = False) -> Freed:
@@ -705,10 +715,7 @@ class K3RadixTree:
         return freed
 
     def _evict_checkpoints(self, need: int, spare_wanted: bool = False) -> Freed:
-        freed = Freed()
-        got = self._evict_superseded(need, freed, 0, None)
-        if got >= need:
-            return freed
+        freed, got = Freed(), 0
         cands = [
             Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c))
             for c in self._ckpts.values()
@@ -791,8 +798,6 @@ class K3RadixTree:
         leaves = [n for n in self._leaves() if n.lock_ref == 0]
         self._trim_dead_tails(leaves, freed, lambda: self.policy.kv_bytes(len(freed.kv_indices)) >= need_bytes)
         got = self.policy.kv_bytes(len(freed.kv_indices))
-        if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
-            got += self._evict_superseded(need_bytes - got, freed, keep_checkpoints, group)
         cands = []
         if got < need_bytes and self.checkpoint_count() > keep_checkpoints:
             if group is None:
@@ -835,29 +840,6 @@ class K3RadixTree:
         :meth:`evict_ranked` prices them."""
         ok = [g for g in groups if g and all(map(self.checkpoint_evictable, g))]
         return [c.obj for c in rank([self._candidate(g) for g in ok], self.policy.alpha)]  # type: ignore[misc]
-
-    def _evict_superseded(
-        self, need: int, freed: Freed, keep: int, group: Optional[Callable[[Checkpoint], int]]
-    ) -> int:
-        """Superseded checkpoints (each serves only a repeat of its prompt) go before anything
-        priced, least recently used first, unless a waiting request wants one (that repeat is
-        queued); with ``group``, only whole groups (a group's other checkpoints go along only if
-        they are superseded too). Returns the bytes freed."""
-        sup = sorted(
-            (c for c in self._ckpts.values() if c.superseded and self.checkpoint_evictable(c) and not self.wanted(c)),
-            key=lambda c: c.last_access,
-        )
-        if group is not None:
-            held, ok = Counter(map(group, self._ckpts.values())), Counter(map(group, sup))
-            sup = [c for c in sup if ok[group(c)] == held[group(c)]]
-        got = 0
-        for ck in sup:
-            if got >= need or self.checkpoint_count() <= keep:
-                break
-            f = self.evict_checkpoint(ck)
-            got += f.checkpoint_bytes
-            freed.extend(f)
-        return got
 
     def _kv_freed_with(self, ck: Checkpoint) -> int:
         """KV bytes that dropping ``ck`` lets go: the tail of an unlocked leaf past the checkpoint
