@@ -67,7 +67,7 @@ def test_a_superseded_state_competes_on_recency_alone():
     states of about its age it goes first, but a state that went cold long ago goes before one
     superseded a moment ago, in both the checkpoint pool's eviction and the unified budget's.
     Before, superseded states went strictly first, and a prompt regenerated a few seconds after
-    its answer had nearly always lost its state (benchmarks/results/trace_replay_fork_edit)."""
+    its answer had nearly always lost its state (benchmarks/results/trace_replay_fork_chat)."""
     for evict in (lambda t: t.evict(num_bytes=1), lambda t: t.evict_ranked(need_bytes=1)):
         tree, kv, h = build(cost=preset("kimi-linear-48b"))
         kc, _, [cold] = branch(tree, kv, h, 1, 1024, [1024])  # priced, never used again
