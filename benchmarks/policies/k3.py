@@ -407,8 +407,8 @@ class K3Policy(Policy):
 
 class K3Alpha0Policy(K3Policy):
     """``--k3-eviction-alpha 0`` (a tuned variant, not the default): eviction by recency alone,
-    after dead KV tails and superseded states. What Marconi's own bootstrap picks at 40-80 GiB on
-    the conversation trace."""
+    after dead KV tails (superseded states, priced at 0, rank by recency like the rest). What
+    Marconi's own bootstrap picks at 40-80 GiB on the conversation trace."""
 
     name = "k3-alpha0"
 

@@ -137,8 +137,9 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="k3 cache: eviction ranks KV and checkpoints by recency + A x prefill FLOPs saved per "
         "byte, a checkpoint's saving weighted by 1 + log2(1 + its hits) (the saving per byte on a "
         "log scale; both terms min-max normalised; ties go to the older; 0: pure LRU; default 1). "
-        "In the trace replay 1 beats 0 at every budget on the conversation trace and at 10-40 GiB "
-        "on the fork-heavy one (a tie at 80 GiB), and 2 loses badly (README, trace replay).",
+        "A state kept only for a regeneration of its prompt (superseded) is priced at 0. In the "
+        "trace replay 1 beats 0 at every budget on the conversation and fork-heavy traces, and on "
+        "the chat mix but for a 0.0003 loss at 20 GiB; 2 loses badly (README, trace replay).",
     )
     g.add_argument(
         "--k3-host-tier-gib",
