@@ -30,6 +30,7 @@ from sglang_k3.fleet.router_process import POLICIES  # noqa: E402
 from sglang_k3.fleet.status import fleet_status, format_table  # noqa: E402
 from sglang_k3.process_group import exit_on_stop_signals  # noqa: E402
 from sglang_k3.tiers.mooncake_master import size_arg  # noqa: E402
+from sglang_k3.tiers.system_deps import MissingDependency, store_client_class  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +124,14 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     spec = spec_from_args(args, ap)
+    if spec.shared_l3:
+        # Before anything starts: the instances' --k3-mooncake and the store holder load the same
+        # client library the master's binary needs (sglang_k3/tiers/system_deps.py).
+        try:
+            store_client_class("start_fleet.py")
+        except MissingDependency as e:
+            print(f"error: {e}\n(--no-shared-l3 starts the fleet without the shared Mooncake L3)", file=sys.stderr)
+            return 1
     fleet = LocalFleet(spec)
     exit_on_stop_signals()  # SIGTERM and Ctrl-C run the finally below
     try:
@@ -143,6 +152,9 @@ def main(argv=None) -> int:
                     print(f"instances down: {', '.join(dead)}", flush=True)
     except KeyboardInterrupt:
         return 0
+    except MissingDependency as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         print("stopping the fleet ...", file=sys.stderr, flush=True)
         fleet.stop()

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sglang_k3.process_group import exit_on_stop_signals  # noqa: E402
 from sglang_k3.tiers.mooncake_master import MooncakeMaster, size_arg  # noqa: E402
+from sglang_k3.tiers.system_deps import MissingDependency, store_client_class  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -32,13 +33,16 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=None, help="master log file (default /tmp/mooncake_master_<port>.log)")
     args = ap.parse_args(argv)
     seg = size_arg(ap, "--segment", args.segment, example="4gb, 512mb")
-    master = MooncakeMaster(args.rpc_port, args.metadata_port, args.metrics_port, args.log).start()
+    try:
+        store_class = store_client_class("start_mooncake_master.py --client") if args.client else None
+        master = MooncakeMaster(args.rpc_port, args.metadata_port, args.metrics_port, args.log).start()
+    except MissingDependency as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     client = None
     try:
-        if args.client:
-            from mooncake.store import MooncakeDistributedStore
-
-            client = MooncakeDistributedStore()
+        if store_class is not None:
+            client = store_class()
             rc = client.setup("127.0.0.1", master.metadata_url, seg, 16 << 20, "tcp", "", master.master_address)
             if rc != 0:
                 print(f"error: the standalone store client's setup failed ({rc})", file=sys.stderr)

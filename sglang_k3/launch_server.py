@@ -117,6 +117,17 @@ def _check_page_size(argv: list[str], cfg: K3Config) -> None:
         raise SystemExit(f"--page-size {value}: {e}") from None
 
 
+def _check_mooncake_client() -> None:
+    """``--k3-mooncake``: the store client loads in every scheduler process; fail here, before
+    SGLang starts, with what is missing and how to install it, not in a scheduler's traceback."""
+    from sglang_k3.tiers.system_deps import MissingDependency, store_client_class
+
+    try:
+        store_client_class("launch_server --k3-mooncake")
+    except MissingDependency as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     """Split our flags off ``argv`` and return SGLang's argv with our defaults added."""
     ours = argparse.ArgumentParser(add_help=False)
@@ -139,6 +150,8 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
     _check_page_size(rest, cfg)
+    if cfg.mooncake:
+        _check_mooncake_client()
     if _value(rest, "--radix-cache-backend") == "k3":
         # Under the overlap scheduler, process one prefill's results before the next prefill
         # starts (upstream's own switch; it helps the first batch's TTFT): the states the k3

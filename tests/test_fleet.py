@@ -16,8 +16,9 @@ from collections import Counter
 
 import pytest
 import requests
+from needs_mooncake import needs_mooncake  # noqa: E402
 
-pytest.importorskip("mooncake.store")
+needs_mooncake()
 pytest.importorskip("sglang_router")
 
 from conftest import stop_servers_except  # noqa: E402

@@ -9,6 +9,7 @@ import os
 from collections import Counter
 
 import pytest
+from needs_mooncake import needs_mooncake
 
 from benchmarks.fleet.routing import CacheAware, RoundRobin, SessionRing
 from benchmarks.fleet.sim import sessions_of
@@ -87,7 +88,7 @@ def test_fleet_replay_small(tmp_path):
 
 
 def test_fleet_ab_small(tmp_path, server_factory):
-    pytest.importorskip("mooncake.store")
+    needs_mooncake()
     pytest.importorskip("sglang_router")
     from conftest import stop_servers_except
 

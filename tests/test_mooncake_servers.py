@@ -14,8 +14,9 @@ import random
 import time
 
 import pytest
+from needs_mooncake import needs_mooncake  # noqa: E402
 
-pytest.importorskip("mooncake.store")
+needs_mooncake()
 
 from server_utils import Server, k3_state  # noqa: E402
 from workloads import random_tokens  # noqa: E402

@@ -12,8 +12,9 @@ import time
 
 import pytest
 import torch
+from needs_mooncake import needs_mooncake  # noqa: E402
 
-pytest.importorskip("mooncake.store")
+needs_mooncake()
 
 from tier_pools import Pools  # noqa: E402
 

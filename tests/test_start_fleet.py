@@ -14,8 +14,9 @@ import time
 
 import pytest
 import requests
+from needs_mooncake import needs_mooncake  # noqa: E402
 
-pytest.importorskip("mooncake.store")
+needs_mooncake()
 pytest.importorskip("sglang_router")
 psutil = pytest.importorskip("psutil")
 

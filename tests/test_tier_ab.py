@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from needs_mooncake import needs_mooncake
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ def test_help_and_bad_flags():
 
 
 def test_tier_ab_end_to_end(tmp_path):
-    pytest.importorskip("mooncake.store")
+    needs_mooncake()
     out = tmp_path / "out"
     args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--quiet"]
     args += ["--conversations", "6", "--turns", "3", "--system-len", "64", "--first-len", "256"]

@@ -12,6 +12,13 @@ import time
 from typing import Optional
 
 from sglang_k3.process_group import stop_group
+from sglang_k3.tiers.system_deps import (
+    WHEEL_FIX,
+    MissingDependency,
+    missing_library,
+    missing_library_error,
+    store_client_class,
+)
 
 
 def free_port() -> int:
@@ -55,10 +62,7 @@ class MooncakeMaster:
     ) -> None:
         exe = shutil.which("mooncake_master")
         if exe is None:
-            raise FileNotFoundError(
-                "mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
-                "(and apt-get install libibverbs1)"
-            )
+            raise MissingDependency("mooncake_master", "the mooncake_master command (the Mooncake wheel)", WHEEL_FIX)
         self.exe = exe
         self.rpc_port = rpc_port or free_port()
         self.metadata_port = metadata_port or free_port()
@@ -113,7 +117,7 @@ class MooncakeMaster:
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}; log {self.log_path}")
+                self._raise_exited()
             try:
                 with (
                     socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.5),
@@ -125,15 +129,28 @@ class MooncakeMaster:
         self.stop()
         raise RuntimeError(f"mooncake_master not listening after {timeout}s; log {self.log_path}")
 
+    def _raise_exited(self) -> None:
+        """The master exited before it listened: :class:`MissingDependency` when its log has the
+        loader's message for a missing system library, else a RuntimeError with the log's end."""
+        rc = self.proc.returncode
+        try:
+            with open(self.log_path, errors="replace") as f:
+                log = f.read()
+        except OSError:
+            log = ""
+        library = missing_library(log)
+        if library is not None:
+            raise missing_library_error("mooncake_master", library)
+        tail = " | ".join(log.strip().splitlines()[-3:])
+        raise RuntimeError(f"mooncake_master exited with {rc}; log {self.log_path}" + (f": {tail}" if tail else ""))
+
     def clear(self, lease_wait_s: float = 6.0) -> int:
         """Remove every object from the pool (between benchmark runs), through a short-lived
         client of this master that contributes no memory of its own. Returns the count removed
         (Mooncake's ``remove_all``; negative: its error code). An object read in the last few
         seconds holds a lease (the master's ``default_kv_lease_ttl``, 5 s) and is skipped, so a
         second pass runs after ``lease_wait_s``."""
-        from mooncake.store import MooncakeDistributedStore
-
-        client = MooncakeDistributedStore()
+        client = store_client_class("a client of the Mooncake master")()
         rc = client.setup("127.0.0.1", self.metadata_url, 0, 16 << 20, "tcp", "", self.master_address)
         if rc != 0:
             raise RuntimeError(f"a Mooncake client of {self.master_address} failed to set up ({rc})")

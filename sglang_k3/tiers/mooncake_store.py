@@ -56,11 +56,11 @@ class MooncakeCounters(StoreCounters):
 
 class MooncakeStore:
     def __init__(self, config, local_buffer_bytes: int, name: str = "l3") -> None:
-        from mooncake.store import MooncakeDistributedStore
+        from sglang_k3.tiers.system_deps import store_client_class
 
         self.name = name
         self.config = config
-        self._client = MooncakeDistributedStore()
+        self._client = store_client_class("the Mooncake L3 tier")()
         rc = self._client.setup(
             config.local_hostname,
             config.metadata_server,

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from sglang_k3.process_group import GroupProcess, exit_on_stop_signals
+from sglang_k3.tiers.system_deps import MissingDependency, missing_library, missing_library_error, store_client_class
 
 
 class StoreHolderProcess(GroupProcess):
@@ -40,7 +41,13 @@ class StoreHolderProcess(GroupProcess):
 
     def start(self, timeout: float = 60.0) -> "StoreHolderProcess":
         self.spawn(self.command)
-        self.wait_until(self._mounted, timeout, 0.2, "the store holder")
+        try:
+            self.wait_until(self._mounted, timeout, 0.2, "the store holder")
+        except RuntimeError as e:
+            library = missing_library(str(e))
+            if library is not None:
+                raise missing_library_error("the store holder", library) from None
+            raise
         return self
 
     def _mounted(self) -> bool:
@@ -62,9 +69,11 @@ def main(argv=None) -> int:
     from sglang_k3.tiers.mooncake_master import size_arg
 
     seg = size_arg(ap, "--segment", args.segment, at_least="16mb")
-    from mooncake.store import MooncakeDistributedStore
-
-    client = MooncakeDistributedStore()
+    try:
+        client = store_client_class("the store holder")()
+    except MissingDependency as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     rc = client.setup(args.hostname, args.metadata_url, seg, 16 << 20, "tcp", "", args.master)
     if rc != 0:
         print(f"error: the store client's setup against {args.master} failed ({rc})", file=sys.stderr)
