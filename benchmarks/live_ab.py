@@ -546,7 +546,7 @@ def main(argv=None) -> int:
             "model": model_dir,
             "server_args": {c: servers[c].args for c in CACHES},
             "server_start_s": {c: servers[c].start_seconds for c in CACHES},
-            "launch_server_cpu_defaults": "see README (device cpu, torch_native, --max-total-tokens 8192, "
+            "launch_server_cpu_defaults": "see docs/user_guide.md (device cpu, torch_native, --max-total-tokens 8192, "
             "--sleep-on-idle, ...)",
             "gsp": {k[4:]: v for k, v in vars(args).items() if k.startswith("gsp_")},
             "multiturn": {k[3:]: v for k, v in vars(args).items() if k.startswith("mt_")},

@@ -23,7 +23,7 @@ from sglang_k3.tiers.mooncake_master import MooncakeMaster, size_arg  # noqa: E4
 from sglang_k3.tiers.system_deps import MissingDependency, store_client_class  # noqa: E402
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rpc-port", type=int, default=None, help="master RPC port (default: a free one)")
     ap.add_argument("--metadata-port", type=int, default=None, help="HTTP metadata server port (default: free)")
@@ -31,6 +31,11 @@ def main(argv=None) -> int:
     ap.add_argument("--segment", default="4gb", help="segment size for --client and the printed env (default 4gb)")
     ap.add_argument("--client", action="store_true", help="also hold a standalone store client's segment")
     ap.add_argument("--log", default=None, help="master log file (default /tmp/mooncake_master_<port>.log)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     seg = size_arg(ap, "--segment", args.segment, example="4gb, 512mb")
     try:

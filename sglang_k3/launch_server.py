@@ -21,7 +21,7 @@ SGLANG_POINTER = (
     "(`python -m sglang.launch_server --help` lists the same)."
 )
 
-# Defaults that make the hybrid KDA/MLA path serve on CPU (see README, "CPU serving").
+# Defaults that make the hybrid KDA/MLA path serve on CPU (docs/user_guide.md, "Serving").
 CPU_DEFAULTS: list[tuple[str, str | None]] = [
     ("--device", "cpu"),
     ("--attention-backend", "torch_native"),

@@ -217,7 +217,7 @@ def test_real_trace_slice(tmp_path):
     # k3 as shipped (unified memory, int8, one state per turn): measured 0.173 vs upstream's 0.093
     # and k3-fixed's 0.060 at 40 GiB, where one budget lets checkpoints take what a fixed pool
     # cannot; at 4 GiB it is below upstream (0.036 vs 0.040: checkpoints displace KV when bytes are
-    # tight; see the README).
+    # tight; see docs/results.md).
     assert by[("k3", 40)]["hit_rate"] >= 1.4 * by[("upstream", 40)]["hit_rate"]
     assert by[("k3", 40)]["hit_rate"] >= 2 * by[("k3-fixed", 40)]["hit_rate"]
 

@@ -689,7 +689,7 @@ class K3RadixTree:
         competes on recency alone, so it goes before any priced state of about its age, but a
         prompt regenerated a few seconds after its answer still finds it while states that went
         cold long ago go first. Strictly first (the rule before) lost nearly every repeat state
-        before its regeneration came: on the fork-heavy generator's chat mix (README, "Trace
+        before its regeneration came: on the fork-heavy generator's chat mix (docs/results.md, "Trace
         replay"; ``benchmarks/results/trace_replay_fork_chat``) k3 then trailed Marconi at
         10-40 GiB; the conversation trace moved by less than 0.001."""
         if ck.superseded:

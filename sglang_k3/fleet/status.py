@@ -101,7 +101,7 @@ def format_table(status: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m sglang_k3.fleet.status",
         description=__doc__,
@@ -112,6 +112,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--window-s", type=float, default=1800.0, help="sessions seen within this many seconds (default 1800)"
     )
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.window_s <= 0:
         ap.error("--window-s must be > 0")

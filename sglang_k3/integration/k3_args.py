@@ -20,6 +20,7 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument(
         "--k3-embedded-model-dir",
         default=None,
+        metavar="DIR",
         help="Where the embedded tiny K3-architecture model is built on first use when no "
         "--model-path is given (default: $SGLANG_K3_HOME or ~/.cache/sglang_k3).",
     )
@@ -139,7 +140,7 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "log scale; both terms min-max normalised; ties go to the older; 0: pure LRU; default 1). "
         "A state kept only for a regeneration of its prompt (superseded) is priced at 0. In the "
         "trace replay 1 beats 0 at every budget on the conversation and fork-heavy traces, and on "
-        "the chat mix but for a 0.0003 loss at 20 GiB; 2 loses badly (README, trace replay).",
+        "the chat mix but for a 0.0003 loss at 20 GiB; 2 loses badly (docs/results.md, trace replay).",
     )
     g.add_argument(
         "--k3-host-tier-gib",

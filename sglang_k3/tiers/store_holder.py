@@ -55,7 +55,7 @@ class StoreHolderProcess(GroupProcess):
             return any(line.startswith("ready:") for line in f)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m sglang_k3.tiers.store_holder",
         description=__doc__,
@@ -65,6 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--metadata-url", required=True, help="the HTTP metadata server, http://host:port/metadata")
     ap.add_argument("--segment", required=True, help="memory to hold, e.g. 1gb or 536870912")
     ap.add_argument("--hostname", default="127.0.0.1", help="this client's address (default 127.0.0.1)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     from sglang_k3.tiers.mooncake_master import size_arg
 
