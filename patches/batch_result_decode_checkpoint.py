@@ -18,13 +18,11 @@ CPU_ONLY = False
 
 
 def checkpoint_after_decode(result, self, batch, *args, **kwargs):
-    cache = getattr(self, "tree_cache", None)
-    checkpoint_decode = getattr(cache, "checkpoint_decode", None)
-    if checkpoint_decode is None:
-        return None
-    for req in batch.reqs:
-        if not getattr(req, "is_retracted", False):
-            checkpoint_decode(req)
+    from sglang_k3.integration.scheduler_verbs import verbs_of
+
+    verbs = verbs_of(getattr(self, "tree_cache", None))
+    if verbs is not None:
+        verbs.after_decode(batch.reqs)
     return None
 
 

@@ -53,7 +53,7 @@ class _OverlapAllowed:
 
 
 def _k3_serves(page: int) -> bool:
-    from sglang_k3.cache.lifecycle import check_page_size
+    from sglang_k3.cache.build import check_page_size
 
     try:
         check_page_size(page)

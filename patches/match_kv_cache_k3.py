@@ -20,13 +20,14 @@ def record_k3_match(original, req, tree_cache, *args, **kwargs):
     if not kwargs.get("cow_mamba"):
         return original(req, tree_cache, *args, **kwargs)
     from sglang_k3.integration import observability as obs
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
-    cache = obs.k3_cache_of(tree_cache)
-    if cache is None:
+    verbs = verbs_of(tree_cache)
+    if verbs is None:
         return original(req, tree_cache, *args, **kwargs)
-    before = cache.tree.stats.lookups
+    before = verbs.lookups()
     result = original(req, tree_cache, *args, **kwargs)
-    obs.record_match(req, cache, before, result)
+    obs.record_match(req, verbs.cache, before, result)
     return result
 
 

@@ -29,11 +29,11 @@ CPU_ONLY = False
 
 def release_not_admitted(original, self, req, *args, **kwargs):
     result = original(self, req, *args, **kwargs)
-    from sglang_k3.integration import observability as obs
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
-    cache = obs.k3_cache_of(self.tree_cache)
-    if cache is not None and not (self.can_run_list and self.can_run_list[-1] is req):
-        cache.match_not_admitted(req)
+    verbs = verbs_of(self.tree_cache)
+    if verbs is not None and not (self.can_run_list and self.can_run_list[-1] is req):
+        verbs.not_admitted(req)
     return result
 
 

@@ -5,7 +5,7 @@ of the first 128 waiting requests, head last, so that LRU eviction spares what t
 will hit; it does so at one ``calc_priority`` call in 32 (``WAITING_PREFIX_REFRESH_INTERVAL``).
 The k3 tree reads more from a refresh than recency: which checkpoints the queue will restore
 from and in what order, and eviction takes those last, the queue's tail first
-(:func:`sglang_k3.cache.eviction.rank`). ``calc_priority`` runs when a prefill batch may be
+(:func:`sglang_k3.cache.retention.rank`). ``calc_priority`` runs when a prefill batch may be
 formed, that is when a running request finished and made room, so with a full running batch a
 refresh every 32nd call is many finished turns late: their next turns sit in the queue unknown,
 and the order eviction reads is stale. Around the method, when the cache is k3 and it evicted
@@ -26,19 +26,18 @@ CPU_ONLY = False
 
 
 def refresh_while_evicting(original, self, policy, waiting_queue):
-    from sglang_k3.integration import observability as obs
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
-    cache = obs.k3_cache_of(getattr(self, "tree_cache", None))
-    if cache is not None and not waiting_queue:
-        cache.tree.end_wants()  # nothing waits: no checkpoint is wanted
-    elif cache is not None and cache.refresh_waiting_now():
+    verbs = verbs_of(getattr(self, "tree_cache", None))
+    if verbs is not None and not waiting_queue:
+        verbs.waiting_queue_empty()  # nothing waits: no checkpoint is wanted
+    elif verbs is not None and verbs.refresh_waiting_now():
         calls = self._waiting_prefix_refresh_calls
         self._waiting_prefix_refresh_calls = 0  # a count of 0 refreshes at this call
-        cache.eviction_refresh = True  # touch only: no lower-tier prefetch lookups (touch_prefix)
         try:
-            return original(self, policy, waiting_queue)
+            with verbs.eviction_refresh():  # touch only: no lower-tier prefetch lookups (touch_prefix)
+                return original(self, policy, waiting_queue)
         finally:
-            cache.eviction_refresh = False
             self._waiting_prefix_refresh_calls = calls  # upstream's own interval goes on as it was
     return original(self, policy, waiting_queue)
 

@@ -17,12 +17,13 @@ CPU_ONLY = False
 
 def add_k3_cache_state(result, self, *args, **kwargs):
     from sglang_k3.integration import observability as obs
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
     scheduler = self.scheduler
-    cache = obs.k3_cache_of(getattr(scheduler, "tree_cache", None))
-    if cache is None or result is None:
+    verbs = verbs_of(getattr(scheduler, "tree_cache", None))
+    if verbs is None or result is None:
         return result
-    snap = obs.server_snapshot(cache)
+    snap = verbs.snapshot()
     result.internal_state[obs.SERVER_INFO_KEY] = snap
     obs.update_metrics(scheduler, snap)
     return result

@@ -19,12 +19,13 @@ CPU_ONLY = False
 
 def k3_output_streamer_class(result, self, *args, **kwargs):
     from sglang_k3.integration import observability as obs
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
     if (
         result is None
         or not getattr(self, "is_generation", False)
         or getattr(self, "rust_server", None) is not None
-        or obs.k3_cache_of(getattr(self, "tree_cache", None)) is None
+        or verbs_of(getattr(self, "tree_cache", None)) is None
     ):
         return result
     return obs.streamer_class(result)

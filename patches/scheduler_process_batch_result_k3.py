@@ -27,16 +27,17 @@ CPU_ONLY = False
 
 
 def process_batch_result_k3(original, self, *args, **kwargs):
-    from sglang_k3.integration.observability import k3_cache_of, update_metrics
+    from sglang_k3.integration.observability import update_metrics
+    from sglang_k3.integration.scheduler_verbs import verbs_of
 
-    cache = k3_cache_of(getattr(self, "tree_cache", None))
-    if cache is not None:
-        cache.begin_store_scope()
+    verbs = verbs_of(getattr(self, "tree_cache", None))
+    if verbs is not None:
+        verbs.begin_step()
     try:
         return original(self, *args, **kwargs)
     finally:
-        if cache is not None:
-            cache.end_store_scope()
+        if verbs is not None:
+            verbs.end_step()
         update_metrics(self)
 
 

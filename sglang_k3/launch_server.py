@@ -109,7 +109,7 @@ def _check_page_size(argv: list[str], cfg: K3Config) -> None:
     value = _value(argv, "--page-size")
     if value is None:
         return
-    from sglang_k3.cache.lifecycle import check_page_size
+    from sglang_k3.cache.build import check_page_size
 
     try:
         check_page_size(int(value), with_tiers=cfg.host_tier_gib > 0 or cfg.mooncake)

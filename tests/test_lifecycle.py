@@ -10,7 +10,7 @@ import pytest
 
 from sglang_k3.cache import CheckpointKind as K
 from sglang_k3.cache import EvictionPolicy
-from sglang_k3.cache.lifecycle import build_lifecycle, placement_from_config
+from sglang_k3.cache.build import build_lifecycle, placement_from_config
 from sglang_k3.config import K3Config
 
 

@@ -10,7 +10,8 @@ import dataclasses
 
 import pytest
 
-from sglang_k3.cache.lifecycle import CacheLifecycle, placement_from_config
+from sglang_k3.cache.build import placement_from_config
+from sglang_k3.cache.lifecycle import CacheLifecycle
 from sglang_k3.config import K3Config
 from sglang_k3.integration.k3_args import add_k3_args, from_namespace
 

@@ -3,7 +3,7 @@
 from int_pools import IntPool
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, preset
-from sglang_k3.cache.eviction import Candidate, rank
+from sglang_k3.cache.retention import Candidate, rank
 
 
 def build(alpha=1.0, cost=None, page=1):
@@ -161,10 +161,11 @@ def test_freed_carries_typed_actions_with_the_reason():
 
 
 def test_evicted_boundaries_carry_their_path_for_a_lower_tier_only_when_asked():
-    """With ``capture_evicted`` (a lower tier is on) an evicted checkpoint hands back the tokens and
-    KV indices of its path up to its position, read before the KV goes; a recycled or superseded
-    one does not (neither is worth keeping below), and without the flag nothing is captured."""
-    from sglang_k3.cache import ReleaseCheckpoint
+    """With ``capture_evicted`` (a lower tier is on) an evicted checkpoint comes back as a
+    ``SaveBoundary`` (the tokens and KV indices of its path up to its position, read before the KV
+    goes) ahead of its ``ReleaseCheckpoint``; a recycled or superseded one does not (neither is
+    worth keeping below), and without the flag no demotion is emitted."""
+    from sglang_k3.cache import ReleaseCheckpoint, SaveBoundary
 
     for capture in (False, True):
         tree, kv, h = build()
@@ -175,14 +176,16 @@ def test_evicted_boundaries_carry_their_path_for_a_lower_tier_only_when_asked():
         ev = tree.evict(num_tokens=10_000)
         rel = {a.pos: a for a in ev.actions if isinstance(a, ReleaseCheckpoint) and a.handles != d64.handles}
         assert sorted(rel) == [64, 128]
-        sup = [a for a in ev.actions if isinstance(a, ReleaseCheckpoint) and a.handles == d64.handles]
-        assert len(sup) == 1 and sup[0].path_tokens is None
-        for pos, a in rel.items():
-            if capture:
-                assert a.path_tokens == list(key[:pos]) and len(a.path_kv) == pos
-                assert set(a.path_kv) <= set(ev.kv_indices)  # the same KV the eviction frees
-            else:
-                assert a.path_tokens is None and a.path_kv is None
+        saves = {a.pos: a for a in ev.actions if isinstance(a, SaveBoundary)}
+        assert all(a.handle != d64.handles[0] for a in saves.values())  # superseded: not demoted
+        if not capture:
+            assert saves == {}
+            continue
+        assert sorted(saves) == [64, 128]
+        for pos, a in saves.items():
+            assert a.tokens == list(key[:pos]) and len(a.kv) == pos and a.handle == rel[pos].handles[0]
+            assert set(a.kv) <= set(ev.kv_indices)  # the same KV the eviction frees
+            assert ev.actions.index(a) < ev.actions.index(rel[pos])  # demoted before it is released
 
 
 # ---------------------------------------------------------------- one budget for both kinds

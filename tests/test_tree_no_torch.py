@@ -8,7 +8,11 @@ import sys
 sys.modules['torch'] = None
 sys.modules['sglang'] = None
 import sglang_k3.cache as c
-from sglang_k3.cache import tree, placement, eviction, cost_model, stats, node, results, lifecycle
+import importlib, pkgutil
+mods = [m.name for m in pkgutil.iter_modules(c.__path__)]
+assert {'tree', 'registry', 'retention', 'lifecycle', 'tier_bridge', 'actions', 'ports', 'build'} <= set(mods), mods
+for m in mods:  # every module of the package
+    importlib.import_module('sglang_k3.cache.' + m)
 t = c.K3RadixTree(num_groups=2)
 r = t.insert(list(range(128)), list(range(128)))
 t.add_checkpoint(r.node, 64, [1, 2], 8, ready=True)

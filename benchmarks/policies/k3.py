@@ -1,7 +1,7 @@
 """``k3``: sglang-k3's cache as the server ships it, driven through the server's own lifecycle.
 
 The policy builds :class:`sglang_k3.cache.lifecycle.CacheLifecycle` with
-:func:`~sglang_k3.cache.lifecycle.build_lifecycle` from a :class:`sglang_k3.config.K3Config`: by
+:func:`~sglang_k3.cache.build.build_lifecycle` from a :class:`sglang_k3.config.K3Config`: by
 default ``K3Config()``, the object ``launch_server`` parses from no ``--k3-*`` flags. Tree, placement,
 per-path budget, decode interval, eviction alpha, pins, ready flags and recycling are therefore
 the server's, not a model of them; only the units change (positions are symbols of
@@ -45,13 +45,13 @@ from benchmarks.policies.base import Admission, Policy, ScaledCost, SimConfig
 from benchmarks.policies.tiers import build_sim_tiers, load_seconds
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
 from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
-from sglang_k3.cache.lifecycle import build_lifecycle
+from sglang_k3.cache.build import build_lifecycle
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
 
 
 class SimulatedStore:
-    """The replay's :class:`~sglang_k3.cache.lifecycle.CheckpointStore`: handles are ints, bytes
+    """The replay's :class:`~sglang_k3.cache.ports.CheckpointStore`: handles are ints, bytes
     are counted, nothing is copied. With a ``ledger`` (unified memory) handles and active slots are
     the ledger's; otherwise ``capacity`` (checkpoints) models a fixed checkpoint pool."""
 
@@ -385,7 +385,7 @@ class K3Policy(Policy):
                 "boundaries_saved": t["tier_saves"],
                 "save_failures": t["tier_save_failures"],
                 "no_memory": t["tier_load_no_memory"],
-                "parked": self.lifecycle.counters.tier_parked,
+                "parked": self.lifecycle.bridge.counters.tier_parked,
                 **{k: v for k, v in t.items() if k.endswith(("_bytes", "_objects", "_evictions"))},
             }
         if self.ledger is not None:

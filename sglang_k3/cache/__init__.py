@@ -1,21 +1,14 @@
 """The KDA-aware radix tree (pure Python, no torch). See ``tree.py`` for the design."""
 
+from sglang_k3.cache.actions import CacheAction, DropReason, Freed, FreeKV, ReleaseCheckpoint, SaveBoundary
 from sglang_k3.cache.cost_model import PRESETS, ModelCostConfig, preset
-from sglang_k3.cache.eviction import EvictionPolicy
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
-from sglang_k3.cache.results import (
-    CacheAction,
-    DropReason,
-    Freed,
-    FreeKV,
-    InsertResult,
-    MatchResult,
-    Pin,
-    ReleaseCheckpoint,
-)
+from sglang_k3.cache.registry import CheckpointBusy
+from sglang_k3.cache.results import InsertResult, MatchResult, Pin
+from sglang_k3.cache.retention import EvictionPolicy
 from sglang_k3.cache.stats import CacheStats, MatchRecord
-from sglang_k3.cache.tree import CheckpointBusy, K3RadixTree
+from sglang_k3.cache.tree import K3RadixTree
 
 __all__ = [
     "PRESETS",
@@ -31,6 +24,7 @@ __all__ = [
     "Freed",
     "FreeKV",
     "ReleaseCheckpoint",
+    "SaveBoundary",
     "InsertResult",
     "MatchResult",
     "Pin",

@@ -2,7 +2,7 @@
 
 The server's cache (:mod:`sglang_k3.integration.k3_cache`) translates SGLang's calls into these
 verbs; the replay's ``k3`` policy (``benchmarks/policies/k3.py``) calls the same verbs in simulated
-time. Both build this object with :func:`build_lifecycle` from the same
+time. Both build this object with :func:`~sglang_k3.cache.build.build_lifecycle` from the same
 :class:`~sglang_k3.config.K3Config`, so what the replay measures is what the server runs.
 
 The life of one request, in the order the verbs are called::
@@ -17,7 +17,7 @@ The life of one request, in the order the verbs are called::
     release                forget the request's match-time data
 
 Everything here is ints and handles: no torch. State memory is reached only through a
-:class:`CheckpointStore` (the fp32 mamba-slot store, the quantized checkpoint pool, the replay's
+:class:`~sglang_k3.cache.ports.CheckpointStore` (the fp32 mamba-slot store, the quantized checkpoint pool, the replay's
 simulated pool; a host-memory store would be one more), KV frees through a callback.
 
 Ready flags (invariant 2): a checkpoint enters the tree not ready and is marked ready when its
@@ -28,77 +28,16 @@ write has been issued (``_land``). Stores run at once, or, inside a store scope
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Sequence
 
-from sglang_k3.cache.eviction import EvictionPolicy
+from sglang_k3.cache.actions import ActionExecutor, Freed
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
-from sglang_k3.cache.results import DropReason, Freed, FreeKV, InsertResult, MatchResult, Pin, ReleaseCheckpoint
+from sglang_k3.cache.ports import CheckpointStore, ExportSource, TierPort
+from sglang_k3.cache.results import InsertResult, MatchResult, Pin
+from sglang_k3.cache.tier_bridge import TierBridge
 from sglang_k3.cache.tree import K3RadixTree
-
-logger = logging.getLogger(__name__)
-
-# The KDA kernel's chunk: prefills export states at its multiples (the grid k3's restore points
-# sit on, besides request ends). The export stash (sglang_k3/state/export_stash.py) reads it.
-STATE_GRID = 64
-
-
-class CheckpointStore(Protocol):
-    """Where checkpoints live. Handles are ints the tree holds read-only; active slots are the
-    requests' private, writable states. Every method takes and returns ints (no tensors)."""
-
-    dtype: str  # "int8" | "bf16" | "fp32" | ...
-    slot_bytes: int  # bytes one checkpoint holds (what the tree and its eviction account)
-    shares_active_slots: bool  # checkpoints are slots of the active-state pool (fp32 store)
-    batches_stores: bool  # stores may be queued and run in one call (alloc + store_many)
-
-    def alloc(self) -> Optional[int]:
-        """A fresh checkpoint handle (evicting through the cache if full), or None."""
-
-    def capture_active(self, active_slot: int) -> Optional[int]:
-        """Fork a running request's state: a new checkpoint holding a copy of it."""
-
-    def donate(self, active_slot: int) -> Optional[int]:
-        """A finished request's state becomes a checkpoint. A store that shares active slots
-        returns ``active_slot`` itself (ownership moves, no copy); others copy into a new handle
-        and leave the active slot to :meth:`release_active`."""
-
-    def capture_export(self, source: "ExportSource", pos: int) -> Optional[int]:
-        """A chunk-boundary state the extend exported (``source.kept(pos)`` is true)."""
-
-    def store_many(self, active_slots: Sequence[int], handles: Sequence[int]) -> list[bool]:
-        """Write each active slot into its allocated handle, in one call; False where refused
-        (the store released that handle)."""
-
-    def restore(self, handle: int, rid: str, active_slot: int) -> Optional[int]:
-        """Copy-on-write of ``handle`` into the request's private ``active_slot``, deferred to the
-        request's next forward. Returns the handle for the host's own copy mechanism to use
-        (SGLang's ``mamba_cow_src_index``), or None when the store runs the copy itself."""
-
-    def cancel_restore(self, rid: str) -> None:
-        """Forget a deferred restore of ``rid`` that has not run (re-match, abort, release)."""
-
-    def release_active(self, active_slot: int) -> None:
-        """Give a request's active slot back to its pool."""
-
-    def free(self, handles: Sequence[int]) -> None:
-        """The tree let go of these checkpoints."""
-
-    def stats(self) -> dict[str, int]:
-        """The store's own counters (merged into the cache's stats)."""
-
-
-class ExportSource(Protocol):
-    """The states one extend exported for one sequence (host-specific; opaque to the tree)."""
-
-    def grid(self) -> list[int]:
-        """Absolute positions with an exported state, ascending."""
-
-    def kept(self, pos: int) -> bool:
-        """Whether the state after ``pos`` was kept (only planned rows are)."""
 
 
 @dataclass
@@ -139,8 +78,6 @@ class LifecycleCounters:
     stores_flushed: int = 0  # checkpoints stored by them
     stale_state_skips: int = 0  # live-slot copies not made: the slot had moved past the boundary
     unkeyed_state_skips: int = 0  # live states not stored: the boundary ends inside a KV page
-    tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
-    tier_parked: int = 0  # exported states saved straight to the lower tiers (dense states)
 
 
 class CacheLifecycle:
@@ -150,7 +87,7 @@ class CacheLifecycle:
         placement: PlacementPolicy,
         store: CheckpointStore,
         free_kv: Callable[[list[int]], None],
-        tiers: Optional["TierManager"] = None,  # noqa: F821
+        tiers: Optional[TierPort] = None,
         alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
         park_every: int = 0,
     ) -> None:
@@ -159,17 +96,15 @@ class CacheLifecycle:
         self.store = store
         self._free_kv = free_kv
         # Lower tiers (host, Mooncake): evicted boundaries go down, admitted requests bring the
-        # deepest one back up (sglang_k3.tiers.manager). alloc_kv gives KV slots for the KV that
-        # comes up (None when there is no room, even after evicting).
+        # deepest one back up, through the bridge (sglang_k3.cache.tier_bridge). alloc_kv gives KV
+        # slots for the KV that comes up (None when there is no room, even after evicting).
         if tiers is not None and alloc_kv is None:
             raise ValueError("lower tiers need alloc_kv to bring KV back to the device")
         self.tiers = tiers
-        self._alloc_kv = alloc_kv
-        tree.capture_evicted = tiers is not None
-        # Dense states below the device: every ``park_every`` positions of a prefill, the exported
-        # state goes straight to the lower tiers (not into the tree), so a later first-time fork
-        # inside this prompt restores close to where it forks. 0: off.
-        self.park_every = park_every if tiers is not None else 0
+        self.bridge: Optional[TierBridge] = None
+        if tiers is not None:
+            self.bridge = TierBridge(tree, store, tiers, alloc_kv, free_kv, self.insert, park_every)  # type: ignore[arg-type]
+        self.executor = ActionExecutor(store.free, free_kv, self.bridge.save_boundary if self.bridge else None)
         self.requests: dict[str, RequestRecord] = {}
         self._prune_at = 64
         self._store_scope = 0
@@ -204,132 +139,27 @@ class CacheLifecycle:
             if self.placement.at_branch_points:
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
                 rec.unplanned_key = tokens if rec.branch_point is None else None
-            if self.tiers is not None:
-                self._promote(tokens, tier_room)
-        elif self.tiers is not None:
-            self.prefetch(tokens)  # a read-only lookup of a waiting request (e.g. sorting)
+            if self.bridge is not None:
+                self.bridge.promote(tokens, tier_room)  # admission promotes first, then matches
+        elif self.bridge is not None:
+            self.bridge.prefetch(tokens)  # a read-only lookup of a waiting request (e.g. sorting)
         res = self.tree.match_prefix(tokens, pin=admit and rid is not None)
         if admit and rid is not None:
             rec = self.requests[rid]
             rec.pin = res.pin
             rec.restored = res.checkpoint
             rec.repeat = res.mla_len >= len(tokens) > 0
-            if res.checkpoint is not None and res.checkpoint.hits == 1 and self._saves_at_first_hit:
-                self._save(res.checkpoint)
+            bridge = self.bridge
+            if res.checkpoint is not None and res.checkpoint.hits == 1 and bridge and bridge.saves_at_first_hit:
+                bridge.save(res.checkpoint)
         return res
 
-    # ------------------------------------------------------------------ lower tiers
-    @property
-    def _saves_at_landing(self) -> bool:
-        """``write_through``: a boundary is copied down as soon as it lands."""
-        return self.tiers is not None and self.tiers.write_policy == "write_through"
-
-    @property
-    def _saves_at_first_hit(self) -> bool:
-        """``write_through_selective``: a boundary is copied down at its first hit."""
-        return self.tiers is not None and self.tiers.write_policy == "write_through_selective"
-
-    def _save(self, ck: Checkpoint) -> None:
-        """Copy ``ck`` (landed, in the tree) and its path's KV to the lower tiers now."""
-        if ck.node is None or not ck.matchable:
-            return
-        tokens, kv = self.tree.path_prefix(ck.node, ck.pos)
-        self._tier_save(tokens, kv, ck.pos, ck.handles[0], int(ck.kind))
-
-    def _tier_save(self, tokens, kv, pos: int, handle: int, kind: int) -> None:
-        try:
-            self.tiers.save(tokens, kv, pos, handle, kind)  # type: ignore[union-attr]
-        except Exception:  # a tier failing must never take the device cache down with it
-            self.counters.tier_errors += 1
-            logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
-
     def prefetch(self, tokens: Sequence[int]) -> None:
-        """A waiting request was looked at (sorted or refreshed): have the lower tiers start
-        copying its deepest boundary up to host memory, so its admission does not wait for L3."""
-        if self.tiers is None or len(tokens) < 2:
-            return
-        try:
-            _, mla_len, restore = self.tree.peek(tokens)
-            self.tiers.prefetch(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
-        except Exception:
-            self.counters.tier_errors += 1
-            logger.exception("k3 tier: prefetch lookup failed")
-
-    PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
-
-    def _promote(self, tokens: Sequence[int], room: Optional[int] = None) -> None:
-        """Bring the deepest boundary the lower tiers hold past the device's own restore point
-        onto the device: its missing KV into fresh KV slots, inserted into the tree, and its state
-        as a ready checkpoint. A boundary with a part missing or invalid is a miss and the next
-        shallower one is tried (up to :attr:`PROMOTE_ATTEMPTS`); nothing changes when none loads
-        or the device has no room for it now."""
-        tiers = self.tiers
-        if tiers is None or len(tokens) < 2:
-            return
-        cap = len(tokens) - 1
-        for _ in range(self.PROMOTE_ATTEMPTS):
-            path, mla_len, restore = self.tree.peek(tokens)
-            try:
-                plan = tiers.find(tokens, floor=restore, cap=cap, device_kv=mla_len)
-            except Exception:
-                self.counters.tier_errors += 1
-                logger.exception("k3 tier: lookup failed; serving from the device only")
-                return
-            if plan is None:
-                return
-            if room is not None and plan.pos - plan.kv_from > room:
-                tiers.counters.load_no_memory += 1  # its KV would take memory promised to others
-                return
-            outcome = self._promote_plan(tokens, path, restore, plan)
-            if outcome != "retry":
-                return
-            cap = plan.pos - 1
-
-    def _promote_plan(self, tokens: Sequence[int], path: list, restore: int, plan) -> str:
-        """One boundary up: ``"done"``, ``"retry"`` (a part failed to load: nothing was written)
-        or ``"stop"`` (no room, or an error)."""
-        tiers = self.tiers
-        anchor = path[-1] if path else None
-        if anchor is not None:
-            self.tree.inc_lock_ref(anchor)  # the KV below the boundary stays while we allocate
-        new_kv: Optional[list[int]] = None
-        handle: Optional[int] = None
-        try:
-            n = plan.pos - plan.kv_from
-            new_kv = self._alloc_kv(n) if n else []  # type: ignore[misc]
-            handle = self.store.alloc() if new_kv is not None else None
-            if new_kv is None or handle is None:
-                tiers.counters.load_no_memory += 1
-                return "stop"
-            kind = tiers.load(plan, new_kv, handle)
-            if kind is None:
-                return "retry"
-            kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv)
-            ins = self.insert(tokens[: plan.pos], kv)
-            new_kv = None  # the tree's now (insert freed any it already held)
-            ck = self.tree.add_checkpoint(
-                ins.node,
-                plan.pos,
-                [handle],
-                self.store.slot_bytes,
-                kind=CheckpointKind(kind) or CheckpointKind.GEN_END,
-                ready=True,
-            )
-            if ck is not None:
-                handle = None
-                tiers.count_gain(plan, plan.pos - restore)
-            return "done"
-        except Exception:
-            self.counters.tier_errors += 1
-            logger.exception("k3 tier: bringing the boundary at %d up failed; serving from the device only", plan.pos)
-            return "stop"
-        finally:
-            if new_kv:
-                self._free_kv(list(new_kv))
-            if handle is not None:
-                self.store.free([handle])
-            if anchor is not None:
-                self.tree.dec_lock_ref(anchor)
+        """A waiting request was looked at (refreshed or sorted): with lower tiers, start copying
+        its deepest boundary up to host memory (:meth:`TierBridge.prefetch
+        <sglang_k3.cache.tier_bridge.TierBridge.prefetch>`)."""
+        if self.bridge is not None:
+            self.bridge.prefetch(tokens)
 
     def release_pin(self, rid: str) -> None:
         """The request's copy-on-write has landed (or will never run): its checkpoint may go."""
@@ -387,8 +217,8 @@ class CacheLifecycle:
                 grid, end, rec.prompt_len if rec else None, rec.branch_point if rec else None
             )
         )
-        if self.park_every:
-            wanted += [p for p in grid if p % self.park_every == 0 and p not in wanted]
+        if self.bridge is not None:
+            wanted += self.bridge.park_positions(grid, wanted)
         return wanted
 
     def store_exports(self, rid: str, node: Node, end: int, source: ExportSource) -> None:
@@ -399,8 +229,12 @@ class CacheLifecycle:
         wanted = self.placement.export_candidates(
             source.grid(), end, rec.prompt_len if rec else None, rec.branch_point if rec else None
         )
-        if rec is not None and not any(k & CheckpointKind.BRANCH for k in wanted.values()):
-            self._restored_is_branch_state(rec)
+        if (
+            rec is not None
+            and self.placement.at_branch_points
+            and not any(k & CheckpointKind.BRANCH for k in wanted.values())
+        ):
+            self.tree.keep_as_branch_state(rec.restored, rec.branch_point)
         for pos, kind in sorted(wanted.items()):
             if pos > node.end:  # inside the running request's last KV page: not in the tree yet
                 self.counters.unkeyed_state_skips += 1
@@ -411,46 +245,10 @@ class CacheLifecycle:
             if handle is None:
                 return  # no memory for it now
             self._register(node, pos, handle, kind, rid)
-        if self.park_every:
-            self._park(node, source, wanted)
-
-    def _park(self, node: Node, source: ExportSource, wanted) -> None:
-        """Save the extend's exported states at multiples of ``park_every`` to the lower tiers
-        only: each through a transient checkpoint slot, freed right after."""
-        for pos in source.grid():
-            if pos % self.park_every or pos in wanted or pos > node.end or not source.kept(pos):
-                continue
-            tokens, kv = self.tree.path_prefix(node, pos)
-            if self.tiers.holds(tokens, pos):  # type: ignore[union-attr]
-                continue
-            handle = self._pinned(node, self.store.capture_export, source, pos)
-            if handle is None:
-                return
-            try:
-                self._tier_save(tokens, kv, pos, handle, int(CheckpointKind.CHUNK))
-                self.counters.tier_parked += 1
-            finally:
-                self.store.free([handle])
-
-    def _restored_is_branch_state(self, rec: RequestRecord) -> None:
-        """The request forks off the tree at its branch point, and its extend exported no state
-        between its restore point and that fork (it restored less than one grid step below it):
-        the state it restored from, inside the node the fork splits, is then the deepest one
-        before the fork, the one every later fork there restores from. Mark it a branch state
-        (``BRANCH``), as the exported one would have been, so that the turn ends of the requests
-        sharing it do not drop it as superseded (:meth:`_drop_superseded`) and the per-path cap
-        does not recycle it."""
-        ck = rec.restored
-        if (
-            not self.placement.at_branch_points
-            or ck is None
-            or ck.node is None
-            or rec.branch_point is None
-            or ck.pos >= rec.branch_point  # at the fork itself: is_branch_point judges it
-        ):
-            return
-        ck.kind |= CheckpointKind.BRANCH
-        ck.superseded = False
+        if self.bridge is not None and self.bridge.park_every:
+            self.bridge.park(
+                node, source, wanted, lambda src, pos: self._pinned(node, self.store.capture_export, src, pos)
+            )
 
     def running_kind(self, rid: str, up_to: int) -> Optional[CheckpointKind]:
         rec = self.requests.get(rid)
@@ -521,50 +319,17 @@ class CacheLifecycle:
             self._register(node, up_to, handle, CheckpointKind.GEN_END)
 
     def _drop_superseded(self, rid: str, node: Node, up_to: int) -> None:
-        """One state per turn. A request leaves states at its chunk ends, its prompt end (two: the
-        exported grid point below it, so an identical prompt hits, and the prompt end itself) and
-        its generation end. The next turn of a conversation extends the whole sequence and
-        matches the generation end, so the earlier ones save nothing over it for that turn; they
-        would serve only a request that forks between them and the generation end. So once the
-        generation-end state is in the tree, the request's earlier states go, unless there is
-        evidence that such forks happen there: the state was hit, it sits where live paths part
-        (:meth:`K3RadixTree.is_branch_point`), it was placed at a fork (``BRANCH``), or the
-        request itself repeated a fully cached prompt (then its prompt states stay, so the next
-        regeneration of that prompt hits). Measured on the conversation trace in
-        ``benchmarks/results/trace_replay``; the placement flag ``drop_superseded`` turns it off."""
+        """One state per turn (:meth:`~sglang_k3.cache.retention.Retention.drop_superseded`): once
+        the request's generation-end state is in the tree, the states it placed earlier go, but
+        for those with evidence of forks."""
         rec = self.requests.get(rid)
         if rec is None or not self.has_checkpoint_at(node, up_to):
             return  # no state at the generation end: nothing supersedes the earlier ones
-        freed = Freed()
-        own = [(ck, 0) for ck in rec.placed]
-        if rec.restored is not None:
-            own.append((rec.restored, 1))  # its one hit was this request, which went on past it
-        for ck, own_hits in sorted(own, key=lambda c: -c[0].pos):  # deepest first: a stub it empties is no fork
-            if (
-                ck.node is None
-                or ck.pos >= up_to
-                or ck.hits > own_hits
-                or ck.pins
-                or not ck.ready
-                or self.tree.is_branch_point(ck)
-                or (rec.repeat and ck.kind & CheckpointKind.PROMPT_END)
-            ):
-                continue
-            if ck.kind & CheckpointKind.PROMPT_END and self._repeat_state(rec, ck):
-                ck.superseded = True  # kept for a repeat of this prompt, priced at 0 (recency alone)
-                continue
-            freed.extend(self.tree.drop_checkpoint(ck, DropReason.RECYCLED))
+        freed = self.tree.drop_superseded(
+            rec.placed, rec.restored, up_to, rec.repeat, rec.prompt_len, self.placement.keep_repeat_state
+        )
         rec.placed = [ck for ck in rec.placed if ck.node is not None]
-        self.tree.stats.recycled_checkpoints += freed.checkpoints
         self._apply(freed)
-
-    def _repeat_state(self, rec: RequestRecord, ck: Checkpoint) -> bool:
-        """The state an identical or contained prompt restores from: the deepest one strictly
-        inside the prompt (a lookup is capped one token short of the key, so the prompt-end state
-        itself never serves the same prompt again)."""
-        if not self.placement.keep_repeat_state or rec.prompt_len is None or ck.pos >= rec.prompt_len:
-            return False
-        return not any(c.node is not None and ck.pos < c.pos < rec.prompt_len for c in rec.placed)
 
     # ------------------------------------------------------------------ one store call per step
     def begin_store_scope(self) -> None:
@@ -650,27 +415,16 @@ class CacheLifecycle:
     def _land(self, node: Node, ck: Checkpoint) -> None:
         """``ck``'s write has been issued: make it matchable and apply the path's budget."""
         self.tree.mark_ready(ck)
-        if self._saves_at_landing:
-            self._save(ck)
+        if self.bridge is not None and self.bridge.saves_at_landing:
+            self.bridge.save(ck)
         attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
         self._apply(self.tree.recycle_path(node if attached else ck.node, self.placement))
 
     # ------------------------------------------------------------------ eviction
     def _apply(self, freed: Freed) -> Freed:
-        """Execute the tree's actions: KV indices back to the KV pool, checkpoint handles back to
-        the store, each kind in one call. With lower tiers, an evicted boundary is saved there
-        first, while its KV and state are still in place."""
-        if self.tiers is not None:
-            for a in freed.actions:
-                if isinstance(a, ReleaseCheckpoint) and a.path_tokens is not None and a.handles:
-                    self._tier_save(a.path_tokens, a.path_kv, a.pos, a.handles[0], a.kind)
-        kv = [i for a in freed.actions if isinstance(a, FreeKV) for i in a.indices]
-        handles = [h for a in freed.actions if isinstance(a, ReleaseCheckpoint) for h in a.handles]
-        if handles:
-            self.store.free(handles)
-        if kv:
-            self._free_kv(kv)
-        return freed
+        """Carry out what the tree gave back (:class:`~sglang_k3.cache.actions.ActionExecutor`):
+        demotions first, then checkpoint handles to the store and KV to the KV pool."""
+        return self.executor.run(freed)
 
     def evict(self, num_tokens: int = 0, num_bytes: int = 0, spare_wanted: bool = False) -> Freed:
         """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible
@@ -755,80 +509,10 @@ class CacheLifecycle:
             stores_flushed=self.counters.stores_flushed,
             stale_state_skips=self.counters.stale_state_skips,
             unkeyed_state_skips=self.counters.unkeyed_state_skips,
-            tier_errors=self.counters.tier_errors,
-            tier_parked=self.counters.tier_parked,
+            tier_errors=self.bridge.counters.tier_errors if self.bridge else 0,
+            tier_parked=self.bridge.counters.tier_parked if self.bridge else 0,
         )
         d.update(self.store.stats())
         if self.tiers is not None:
             d.update(self.tiers.stats())
         return d
-
-
-# ---------------------------------------------------------------------- construction
-def placement_from_config(cfg, unit: int = 1) -> PlacementPolicy:
-    """The placement the server runs, in positions of ``unit`` tokens (the server: 1; the replay:
-    its symbol size). ``hit_unit`` is one position: checkpoints sit exactly where the forward left
-    a state (chunk, prompt and generation ends); the kernel's 64-token grid adds more, never fewer."""
-    interval = cfg.decode_checkpoint_interval
-    return PlacementPolicy(
-        hit_unit=1,
-        at_chunk_end=cfg.checkpoint_chunk_end,
-        at_prompt_end=cfg.checkpoint_prompt_end,
-        at_generation_end=cfg.checkpoint_generation_end,
-        at_branch_points=cfg.checkpoint_branch_points,
-        decode_interval=max(1, interval // unit) if interval else None,
-        per_path_budget=cfg.checkpoint_budget or None,
-        drop_superseded=not cfg.checkpoint_keep_superseded,
-    )
-
-
-def build_tree(eviction: EvictionPolicy, page_size: int = 1) -> K3RadixTree:
-    """The tree the server runs: one KDA group per TP rank, SGLang's KV page size (the tree keeps
-    whole pages of KV), a one-position hit unit, and checkpoints protected by pins only (a running
-    request works on its own private copy, so a lock on its path need not keep the checkpoints on
-    it)."""
-    check_page_size(page_size)
-    return K3RadixTree(
-        num_groups=1, page_size=page_size, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False
-    )
-
-
-def check_page_size(page_size: int, with_tiers: bool = False) -> None:
-    """The page sizes k3 serves (and is tested at): those that divide 64. A prefill that starts on
-    a page boundary then exports its 64-token grid states on page boundaries, inside the whole
-    pages the tree takes from a running request; with larger pages the grid states near a prompt
-    end would more often fall in the request's last, unfinished page, which the tree does not hold
-    yet. Request ends inside a page are kept as ragged leaves (:meth:`K3RadixTree.insert`), and a
-    restore inside a page is copied out of it (``kv_cow_tokens``). ``with_tiers``: the lower
-    tiers move KV token by token and need page size 1."""
-    if page_size < 1 or STATE_GRID % page_size:
-        raise ValueError(
-            f"the k3 cache needs a page size that divides {STATE_GRID} (1, 2, 4, 8, 16, 32 or 64), got {page_size}"
-        )
-    if with_tiers and page_size > 1:
-        raise ValueError("the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1")
-
-
-def build_lifecycle(
-    cfg,
-    store: CheckpointStore,
-    eviction: EvictionPolicy,
-    free_kv: Callable[[list[int]], None],
-    unit: int = 1,
-    tiers=None,
-    alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
-    page_size: int = 1,
-) -> CacheLifecycle:
-    """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
-    host gives the eviction policy its cost model; the config gives it its alpha)."""
-    eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
-    park = cfg.tier_park_interval // unit if tiers is not None else 0
-    return CacheLifecycle(
-        build_tree(eviction, page_size),
-        placement_from_config(cfg, unit),
-        store,
-        free_kv,
-        tiers,
-        alloc_kv,
-        park_every=park,
-    )

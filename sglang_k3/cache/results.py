@@ -1,11 +1,11 @@
-"""Return types of the tree's public operations. Plain ints and lists, so callers (the SGLang
-wrapper, the trace-replay simulator) convert them to tensors or simulated frees as they need."""
+"""Return types of the tree's lookups and inserts. Plain ints and lists, so callers (the SGLang
+wrapper, the trace-replay simulator) convert them to tensors as they need. What the tree gives
+back (frees, demotions) is in :mod:`sglang_k3.cache.actions`."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Optional
 
 from sglang_k3.cache.node import Checkpoint, Node
 
@@ -65,78 +65,3 @@ class InsertResult:
     inserted_len: int
     duplicate_kv: list[int]
     node: Node
-
-
-class DropReason(enum.Enum):
-    """Why the tree let go of a checkpoint: what a caller with a lower memory tier may do with it."""
-
-    EVICTED = "evicted"  # memory pressure: worth keeping below (a host tier demotes it instead)
-    RECYCLED = "recycled"  # superseded on its path by the placement policy: not worth keeping
-    DROPPED = "dropped"  # the caller asked (e.g. its store was refused)
-    RESET = "reset"  # the whole tree was flushed
-
-
-@dataclass(frozen=True)
-class FreeKV:
-    """Give these MLA KV pool indices back."""
-
-    indices: list[int]
-
-
-@dataclass(frozen=True)
-class ReleaseCheckpoint:
-    """The tree no longer holds this boundary (``pos``): every KDA group's handle comes back at
-    once (invariant 3)."""
-
-    handles: list[int]
-    pos: int
-    nbytes: int
-    reason: DropReason
-    kind: int = 0  # the checkpoint's CheckpointKind flags
-    # An evicted boundary a lower tier may keep: the tokens and KV indices of its path up to
-    # ``pos``, captured while the KV is still in the tree (only when the tree is asked to).
-    path_tokens: Optional[list[int]] = None
-    path_kv: Optional[list[int]] = None
-
-
-CacheAction = Union[FreeKV, ReleaseCheckpoint]
-
-
-@dataclass
-class Freed:
-    """What an eviction, recycle or reset gives back to the pools, as typed actions the caller
-    executes (the tree never frees anything itself: pool accounting stays with the caller), with
-    the totals alongside."""
-
-    actions: list = field(default_factory=list)  # CacheAction, in the order they happened
-    kv_indices: list[int] = field(default_factory=list)
-    handles: list[int] = field(default_factory=list)
-    checkpoint_bytes: int = 0
-    checkpoints: int = 0
-
-    def add_kv(self, indices: list[int]) -> None:
-        if indices:
-            self.actions.append(FreeKV(list(indices)))
-            self.kv_indices.extend(indices)
-
-    def add_checkpoint(
-        self,
-        handles: list[int],
-        pos: int,
-        nbytes: int,
-        reason: DropReason,
-        kind: int = 0,
-        path: Optional[tuple[list[int], list[int]]] = None,
-    ) -> None:
-        tokens, kv = path if path is not None else (None, None)
-        self.actions.append(ReleaseCheckpoint(list(handles), pos, nbytes, reason, int(kind), tokens, kv))
-        self.handles.extend(handles)
-        self.checkpoint_bytes += nbytes
-        self.checkpoints += 1
-
-    def extend(self, other: "Freed") -> None:
-        self.actions.extend(other.actions)
-        self.kv_indices.extend(other.kv_indices)
-        self.handles.extend(other.handles)
-        self.checkpoint_bytes += other.checkpoint_bytes
-        self.checkpoints += other.checkpoints

@@ -11,9 +11,9 @@ evicting the checkpoints that borrowed its blocks. Torch-free.
 
 from __future__ import annotations
 
+from sglang_k3.cache.actions import Freed
 from sglang_k3.cache.block_ledger import BlockLedger
 from sglang_k3.cache.lifecycle import CacheLifecycle
-from sglang_k3.cache.results import Freed
 
 
 class UnifiedEviction:

@@ -66,14 +66,15 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy
+from sglang_k3.cache.build import build_lifecycle, check_page_size
 from sglang_k3.cache.cost_model import from_hf_config
-from sglang_k3.cache.lifecycle import build_lifecycle, check_page_size
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
+from sglang_k3.integration.scheduler_verbs import SchedulerVerbs
 from sglang_k3.integration.tier_setup import build_tiers
 from sglang_k3.integration.unified_memory import checkpoint_buffers, mla_pool_of, unified_of
 from sglang_k3.state.active_slots import SlotPool
-from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedPlacement, make_store
+from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedCheckpointMemory, make_store
 from sglang_k3.state.deferred_restore import DeferredRestores
 from sglang_k3.state.export_stash import ExportStash, ExportView
 from sglang_k3.state.forward_state import ForwardState, attach
@@ -89,6 +90,8 @@ class K3RadixCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.disable = False
         self.cfg = cfg
+        # What the scheduler's patches call beyond BasePrefixCache (scheduler_verbs.verbs_of).
+        self.scheduler_verbs = SchedulerVerbs(self)
         self._kv_device = self.req_to_token_pool.req_to_token.device
         # The forward-side state this cache owns, reached by the KDA backend hooks through the
         # pool SGLang hands to both (sglang_k3/state/forward_state.py).
@@ -105,10 +108,10 @@ class K3RadixCache(BasePrefixCache):
         # Unified memory (the default): KV, active states and checkpoints share one budget that
         # patches/kv_cache_configurator_init_pools.py built; None with --k3-no-unified-memory.
         self.unified = unified_of(self.req_to_token_pool)
-        placement = None
+        ckpt_memory = None
         if self.unified is not None:
             self.ledger = self.unified.ledger
-            placement = UnifiedPlacement(checkpoint_buffers(self.unified), LedgerSlots(self.ledger))
+            ckpt_memory = UnifiedCheckpointMemory(checkpoint_buffers(self.unified), LedgerSlots(self.ledger))
             self.req_to_token_pool.mamba_allocator.evict_blocks = self._evict_for_active
             kv_alloc = self.token_to_kv_pool_allocator
             kv_alloc.reclaimable_blocks = self._reclaimable_checkpoint_blocks
@@ -119,7 +122,7 @@ class K3RadixCache(BasePrefixCache):
             cfg.checkpoint_slots,
             self._evict_for_checkpoint,
             self.fwd,
-            placement,
+            ckpt_memory,
         )
         # Lower tiers (--k3-host-tier-gib): evicted boundaries go to host memory, admitted requests
         # bring the deepest usable one back (sglang_k3.tiers); None when off.
@@ -259,7 +262,7 @@ class K3RadixCache(BasePrefixCache):
         scheduling call rather than at its own interval (every 32nd call that may admit): yes
         when the tree evicted since the last such answer. The refresh tells eviction which
         checkpoints the queued requests will restore from, and in what order they will be
-        admitted (:func:`~sglang_k3.cache.eviction.rank`); under pressure an order 31 calls old
+        admitted (:func:`~sglang_k3.cache.retention.rank`); under pressure an order 31 calls old
         misses every request that finished since and queued its next turn. Without evictions
         the order is not read, and the refresh stays at SGLang's interval
         (``patches/schedule_policy_waiting_refresh.py``)."""

@@ -165,15 +165,6 @@ class ReqMatch(NamedTuple):
     kv_match_len: int
 
 
-def k3_cache_of(tree_cache: Any):
-    """``tree_cache`` if it is the k3 cache, else None (upstream's cache, disabled cache)."""
-    if tree_cache is None:
-        return None
-    from sglang_k3.integration.k3_cache import K3RadixCache
-
-    return tree_cache if isinstance(tree_cache, K3RadixCache) else None
-
-
 def server_snapshot(cache) -> dict[str, Any]:
     """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
     snap: dict[str, Any] = dict(cache.stats_dict())
@@ -233,8 +224,10 @@ def update_metrics(scheduler, snap: Optional[dict[str, Any]] = None) -> None:
     global _exporter, _exporter_failed
     if _exporter_failed or not _metrics_enabled(scheduler):
         return
-    cache = k3_cache_of(getattr(scheduler, "tree_cache", None))
-    if cache is None:
+    from sglang_k3.integration.scheduler_verbs import verbs_of
+
+    verbs = verbs_of(getattr(scheduler, "tree_cache", None))
+    if verbs is None:
         return
     if _exporter is None:
         try:
@@ -243,7 +236,7 @@ def update_metrics(scheduler, snap: Optional[dict[str, Any]] = None) -> None:
             _exporter_failed = True  # never take the scheduler down for a metric
             logger.exception("sglang-k3: cannot register the sglang_k3_* metrics")
             return
-    _exporter.update(snap if snap is not None else server_snapshot(cache))
+    _exporter.update(snap if snap is not None else verbs.snapshot())
 
 
 # ---------------------------------------------------------------------------- per request

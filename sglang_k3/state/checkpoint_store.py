@@ -1,5 +1,5 @@
 """Where the k3 tree's checkpoints live on the device, by checkpoint dtype: two implementations of
-the lifecycle's :class:`~sglang_k3.cache.lifecycle.CheckpointStore` interface.
+the lifecycle's :class:`~sglang_k3.cache.ports.CheckpointStore` interface.
 
 * ``fp32`` (:class:`NativeSlotStore`): a checkpoint is a slot of SGLang's mamba pool, in the
   active state's own format. A finished request's slot is *donated* (no copy); a hit is a
@@ -14,7 +14,7 @@ the lifecycle's :class:`~sglang_k3.cache.lifecycle.CheckpointStore` interface.
 
 Under unified memory (the default) every dtype uses :class:`QuantizedStore` (fp32 as a bit-exact
 copy), its pool a set of views into the unified buffer whose handles the budget's ledger hands
-out (:class:`UnifiedPlacement`); :class:`NativeSlotStore` serves ``--k3-no-unified-memory`` with
+out (:class:`UnifiedCheckpointMemory`); :class:`NativeSlotStore` serves ``--k3-no-unified-memory`` with
 fp32 checkpoints.
 
 Neither touches SGLang's request objects: ``restore`` returns what SGLang's own copy mechanism
@@ -103,7 +103,7 @@ class QuantizedStore:
         num_slots: int,
         evict_bytes: Callable[[int], object],
         fwd: ForwardState,
-        unified: Optional["UnifiedPlacement"] = None,
+        unified: Optional["UnifiedCheckpointMemory"] = None,
     ):
         self.slots = slots
         self.dtype = dtype
@@ -239,8 +239,10 @@ class LedgerSlots:
 
 
 @dataclass(frozen=True)
-class UnifiedPlacement:
-    """Where checkpoints go under unified memory: views into the buffer and the ledger."""
+class UnifiedCheckpointMemory:
+    """The unified buffer's part for checkpoints: its views (where the bytes are) and the ledger's
+    checkpoint slots (which are free). Not a placement policy: where checkpoints are *placed* in
+    the tree is ``sglang_k3.cache.placement``."""
 
     buffers: tuple  # q, scale, conv (see UnifiedBuffer.checkpoint_views)
     ledger_slots: LedgerSlots
@@ -252,7 +254,7 @@ def make_store(
     num_slots: int,
     evict_bytes: Callable[[int], object],
     fwd: ForwardState,
-    unified: Optional[UnifiedPlacement] = None,
+    unified: Optional[UnifiedCheckpointMemory] = None,
 ):
     """The checkpoint store for ``dtype``. With ``unified`` every dtype (fp32 included: a bit-exact
     copy, not a donated slot) goes to the quantized store in the unified budget."""

@@ -51,7 +51,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 
-from sglang_k3.cache.lifecycle import STATE_GRID
+from sglang_k3.cache.build import STATE_GRID
 
 CHUNK = STATE_GRID  # the KDA kernel's chunk: h[i] is the state after CHUNK * i tokens of the extend
 
@@ -298,7 +298,7 @@ class ExportStash:
 
 class ExportView:
     """One sequence's exports of the current forward, as the cache's lifecycle sees them
-    (:class:`sglang_k3.cache.lifecycle.ExportSource`)."""
+    (:class:`sglang_k3.cache.ports.ExportSource`)."""
 
     def __init__(self, stash: ExportStash, seq: SeqExport) -> None:
         self.stash, self.seq = stash, seq

@@ -357,6 +357,10 @@ class TierManager:
         self.counters.load_tokens += tokens
         self.hit_tokens_by_tier[plan.store.name] += tokens
 
+    def note_no_memory(self) -> None:
+        """A boundary was found below but not brought up: the device had no room for it now."""
+        self.counters.load_no_memory += 1
+
     def stats(self) -> dict:
         d = self.counters.as_dict()
         d.update({f"tier_{name}_hits": n for name, n in self.hits_by_tier.items()})

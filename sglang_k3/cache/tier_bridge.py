@@ -1,0 +1,200 @@
+"""The lifecycle's bridge to the lower tiers (host memory, Mooncake): every move of a boundary
+between the device tree and a :class:`~sglang_k3.cache.ports.TierPort`, in one place.
+
+* **Up (promotion)**, a step of admission: before a request is matched, the deepest boundary the
+  tiers hold past the device's own restore point is brought onto the device (:meth:`promote`):
+  its missing KV into fresh KV slots, inserted into the tree, and its state as a ready checkpoint.
+  A waiting request that is only looked at starts a copy up to host memory (:meth:`prefetch`).
+* **Down (demotion)**: an evicted boundary arrives as a
+  :class:`~sglang_k3.cache.actions.SaveBoundary` action (:meth:`save_boundary`); the write
+  policies copy a boundary down when it lands (``write_through``) or at its first hit
+  (``write_through_selective``) (:meth:`save`); dense parking saves a prefill's exported states
+  every ``park_every`` positions straight below (:meth:`park`).
+
+A tier that fails never takes the device cache down: its error is logged and counted
+(``tier_errors``), and the request is served from the device. Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from sglang_k3.cache.actions import SaveBoundary
+from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
+from sglang_k3.cache.ports import CheckpointStore, ExportSource, TierPort
+from sglang_k3.cache.results import InsertResult
+from sglang_k3.cache.tree import K3RadixTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BridgeCounters:
+    tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
+    tier_parked: int = 0  # exported states saved straight to the lower tiers (dense states)
+
+
+class TierBridge:
+    PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
+
+    def __init__(
+        self,
+        tree: K3RadixTree,
+        store: CheckpointStore,
+        tiers: TierPort,
+        alloc_kv: Callable[[int], Optional[list[int]]],
+        free_kv: Callable[[list[int]], None],
+        insert: Callable[[Sequence[int], Sequence[int]], InsertResult],
+        park_every: int = 0,
+    ) -> None:
+        self.tree, self.store, self.tiers = tree, store, tiers
+        self._alloc_kv, self._free_kv, self._insert = alloc_kv, free_kv, insert
+        # Dense states below the device: every ``park_every`` positions of a prefill, the exported
+        # state goes straight to the lower tiers (not into the tree), so a later first-time fork
+        # inside this prompt restores close to where it forks. 0: off.
+        self.park_every = park_every
+        self.counters = BridgeCounters()
+        tree.capture_evicted = True  # evictions hand back SaveBoundary actions for save_boundary
+
+    # ------------------------------------------------------------------ down
+    @property
+    def saves_at_landing(self) -> bool:
+        """``write_through``: a boundary is copied down as soon as it lands."""
+        return self.tiers.write_policy == "write_through"
+
+    @property
+    def saves_at_first_hit(self) -> bool:
+        """``write_through_selective``: a boundary is copied down at its first hit."""
+        return self.tiers.write_policy == "write_through_selective"
+
+    def save(self, ck: Checkpoint) -> None:
+        """Copy ``ck`` (landed, in the tree) and its path's KV to the lower tiers now."""
+        if ck.node is None or not ck.matchable:
+            return
+        tokens, kv = self.tree.path_prefix(ck.node, ck.pos)
+        self._save(tokens, kv, ck.pos, ck.handles[0], int(ck.kind))
+
+    def save_boundary(self, action: SaveBoundary) -> None:
+        """Run one demotion of an eviction (the executor calls it before the eviction's frees)."""
+        self._save(action.tokens, action.kv, action.pos, action.handle, action.kind)
+
+    def _save(self, tokens, kv, pos: int, handle: int, kind: int) -> None:
+        try:
+            self.tiers.save(tokens, kv, pos, handle, kind)
+        except Exception:  # a tier failing must never take the device cache down with it
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
+
+    def park_positions(self, grid: Sequence[int], planned: Sequence[int]) -> list[int]:
+        """Of an extend's exported ``grid``, the positions to keep for parking beyond ``planned``."""
+        if not self.park_every:
+            return []
+        return [p for p in grid if p % self.park_every == 0 and p not in planned]
+
+    def park(self, node: Node, source: ExportSource, wanted, capture: Callable[..., Optional[int]]) -> None:
+        """Save the extend's exported states at multiples of ``park_every`` to the lower tiers
+        only: each through a transient checkpoint slot (``capture(source, pos)``, run with the
+        path locked), freed right after."""
+        for pos in source.grid():
+            if pos % self.park_every or pos in wanted or pos > node.end or not source.kept(pos):
+                continue
+            tokens, kv = self.tree.path_prefix(node, pos)
+            if self.tiers.holds(tokens, pos):
+                continue
+            handle = capture(source, pos)
+            if handle is None:
+                return
+            try:
+                self._save(tokens, kv, pos, handle, int(CheckpointKind.CHUNK))
+                self.counters.tier_parked += 1
+            finally:
+                self.store.free([handle])
+
+    # ------------------------------------------------------------------ up
+    def prefetch(self, tokens: Sequence[int]) -> None:
+        """A waiting request was looked at (sorted or refreshed): have the lower tiers start
+        copying its deepest boundary up to host memory, so its admission does not wait for L3."""
+        if len(tokens) < 2:
+            return
+        try:
+            _, mla_len, restore = self.tree.peek(tokens)
+            self.tiers.prefetch(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
+        except Exception:
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: prefetch lookup failed")
+
+    def promote(self, tokens: Sequence[int], room: Optional[int] = None) -> None:
+        """Bring the deepest boundary the lower tiers hold past the device's own restore point
+        onto the device. A boundary with a part missing or invalid is a miss and the next
+        shallower one is tried (up to :attr:`PROMOTE_ATTEMPTS`); nothing changes when none loads
+        or the device has no room for it now (``room``: at most this many KV tokens may come up,
+        the caller's free memory not yet promised to other requests; None: no limit)."""
+        if len(tokens) < 2:
+            return
+        tiers = self.tiers
+        cap = len(tokens) - 1
+        for _ in range(self.PROMOTE_ATTEMPTS):
+            path, mla_len, restore = self.tree.peek(tokens)
+            try:
+                plan = tiers.find(tokens, floor=restore, cap=cap, device_kv=mla_len)
+            except Exception:
+                self.counters.tier_errors += 1
+                logger.exception("k3 tier: lookup failed; serving from the device only")
+                return
+            if plan is None:
+                return
+            if room is not None and plan.pos - plan.kv_from > room:
+                tiers.note_no_memory()  # its KV would take memory promised to others
+                return
+            outcome = self._promote_plan(tokens, path, restore, plan)
+            if outcome != "retry":
+                return
+            cap = plan.pos - 1
+
+    def _promote_plan(self, tokens: Sequence[int], path: list, restore: int, plan) -> str:
+        """One boundary up: ``"done"``, ``"retry"`` (a part failed to load: nothing was written)
+        or ``"stop"`` (no room, or an error)."""
+        tiers = self.tiers
+        anchor = path[-1] if path else None
+        if anchor is not None:
+            self.tree.inc_lock_ref(anchor)  # the KV below the boundary stays while we allocate
+        new_kv: Optional[list[int]] = None
+        handle: Optional[int] = None
+        try:
+            n = plan.pos - plan.kv_from
+            new_kv = self._alloc_kv(n) if n else []
+            handle = self.store.alloc() if new_kv is not None else None
+            if new_kv is None or handle is None:
+                tiers.note_no_memory()
+                return "stop"
+            kind = tiers.load(plan, new_kv, handle)
+            if kind is None:
+                return "retry"
+            kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv)
+            ins = self._insert(tokens[: plan.pos], kv)
+            new_kv = None  # the tree's now (insert freed any it already held)
+            ck = self.tree.add_checkpoint(
+                ins.node,
+                plan.pos,
+                [handle],
+                self.store.slot_bytes,
+                kind=CheckpointKind(kind) or CheckpointKind.GEN_END,
+                ready=True,
+            )
+            if ck is not None:
+                handle = None
+                tiers.count_gain(plan, plan.pos - restore)
+            return "done"
+        except Exception:
+            self.counters.tier_errors += 1
+            logger.exception("k3 tier: bringing the boundary at %d up failed; serving from the device only", plan.pos)
+            return "stop"
+        finally:
+            if new_kv:
+                self._free_kv(list(new_kv))
+            if handle is not None:
+                self.store.free([handle])
+            if anchor is not None:
+                self.tree.dec_lock_ref(anchor)
