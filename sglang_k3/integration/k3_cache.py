@@ -9,43 +9,22 @@ to the lifecycle, and back. It owns three things the lifecycle does not know abo
 request fields (``req.kv``, ``req.lock``), the KV index rows, and the forward-side state (the
 export stash and the deferred restores, :mod:`sglang_k3.state.forward_state`).
 
-The contract with SGLang 0.5.23's scheduler is written down in ``docs/sglang_cache_contract.md``.
-In short, for a hybrid KDA model under ``--mamba-radix-cache-strategy no_buffer``:
-
-* **Checkpoint storage** (``--k3-checkpoint-dtype``, :mod:`sglang_k3.state.checkpoint_store`):
-  ``fp32`` checkpoints are mamba-pool slots (handle = slot index) taken from the same allocator
-  as the requests' active slots, so SGLang's idle leak check stays exact; ``int8``/``bf16``
-  checkpoints live in a separate checkpoint pool. One KDA group per TP rank.
-* **Hit (copy-on-write)**: the match pins the checkpoint (invariant 1), then gives the request a
-  private slot (evicting checkpoints if needed: the pinned one cannot go). fp32: SGLang copies on
-  the forward stream before the KDA layers (``mamba_cow_src_index``); int8/bf16: the hit is
-  dequantized at the forward's first KDA layer, with the forward's other hits in one launch. The
-  pin is held until that copy has landed: it is released at the request's first ``checkpoint``
-  (after its first forward), at release, when the request is matched again, or when SGLang's prefill
-  adder refuses it (:meth:`match_not_admitted`). ``req.lock``
-  protects the request's KV path, not the checkpoints on it: the request's state is its own
-  private copy, so checkpoints stay evictable while it runs.
-* **Chunk end / prompt end** (request still running): the live slot is copied into a new
-  checkpoint; the request keeps its slot (a second slot only at a checkpoint boundary).
-* **Finish (donate)**: when the state length equals the key length, the request's slot itself is
-  handed to the tree, no copy (fp32; int8/bf16 quantize it into a checkpoint slot). Otherwise it
-  is freed: a state is never stored under a key it does not belong to.
-* **Ready flag (invariant 2)**: a checkpoint enters the tree not ready and is marked ready right
-  after its copy is issued. On CPU the copy is synchronous; on a GPU it is enqueued on the
-  forward stream ahead of any forward that could read it.
-* **Full match**: the tree caps the restore point at ``len(key) - 1`` and rounds down to the
-  nearest checkpoint, so a fully cached prompt still reuses everything up to that checkpoint.
-* **KV pages** (``--page-size``, 1 or a divisor of 64): the tree keeps whole pages, plus a finished
-  request's last partial page as a ragged leaf (its exact end state has a key). A restore inside a
-  page copies the prefix's slots of that page into a page of the request's own
-  (:meth:`prefix_device_indices`); a running request's boundary inside its last page is not
-  stored (``docs/sglang_cache_contract.md`` §8).
-* **Overlap scheduler** (on by default): step N+1 is launched before step N's results reach this
-  cache, so a live slot may hold more tokens than the boundary being stored. SGLang counts a
-  step's tokens in ``req.kv.kv_committed_len`` when it prepares the step, so that is the slot's
-  state length in stream order; a live slot is copied (or donated) only when it equals the
-  boundary, and otherwise the boundary gets no state from it (``stale_state_skips``). A prompt
-  end then keeps the state its prefill exported at the last 64-token boundary before it.
+The contract with SGLang 0.5.23's scheduler is written down, hook by hook, in
+``docs/sglang_cache_contract.md``; the calls beyond ``BasePrefixCache`` go through
+:mod:`sglang_k3.integration.scheduler_verbs`. In short, under ``--mamba-radix-cache-strategy
+no_buffer``: checkpoints are fp32 mamba-pool slots or int8/bf16 slots of a checkpoint pool
+(:mod:`sglang_k3.state.checkpoint_store`), in the unified budget by default. A hit pins its
+checkpoint (invariant 1) and gives the request a private slot that becomes a copy of it at the
+request's next forward (fp32: SGLang's ``mamba_cow_src_index``; int8/bf16: dequantized at the
+first KDA layer, all hits of the forward in one launch); the pin is released at the request's
+first ``checkpoint``, at release, at a re-match, or when the prefill adder refuses it
+(:meth:`K3RadixCache.match_not_admitted`). ``req.lock`` protects the request's KV path, not the
+checkpoints on it. A chunk or prompt end copies the live slot; a finished request's slot is
+donated when its state length equals the key length, else freed (a state is never stored under a
+key it does not belong to). A checkpoint is matchable only once its copy is issued (invariant 2).
+Under the overlap scheduler a live slot is copied only when ``req.kv.kv_committed_len`` equals the
+boundary (``stale_state_skips`` otherwise). With pages over one token a restore inside a page
+copies that page's prefix slots to a page of the request's own (:meth:`prefix_device_indices`).
 """
 
 from __future__ import annotations
@@ -533,76 +512,14 @@ class K3RadixCache(BasePrefixCache):
 
     # ---------------------------------------------------------------- observability
     def stats_dict(self) -> dict:
-        self.lifecycle.forget_done()
-        d = self.lifecycle.stats()
-        stash, restores = self.fwd.stash, self.fwd.restores
-        d.update(
-            # Exported chunk-boundary rows held between a forward and its checkpoints (memory
-            # SGLang's planner does not budget), and what keeping the full tensors would pin.
-            export_stash_bytes=stash.stash_bytes(),
-            export_stash_peak_bytes=stash.peak_bytes,
-            export_stash_last_bytes=stash.last_kept_bytes,
-            export_full_peak_bytes=stash.peak_exported_bytes,
-            export_dropped_unconsumed=stash.dropped_unconsumed,
-            # quantized hits restored at the forward, batched: average batch = restored / flushes
-            deferred_restore_flushes=restores.flushes,
-            deferred_restores=restores.restored,
-            kv_page_copies=self.kv_page_copies,
-            matches_not_admitted=self.matches_not_admitted,
-        )
-        d.update(self.memory_split())
-        return d
+        """Every counter and level of this cache (``/server_info``, ``/metrics``):
+        :func:`sglang_k3.integration.observability.cache_stats`."""
+        from sglang_k3.integration.observability import cache_stats
 
-    def memory_split(self) -> dict:
-        """Bytes per kind in the unified budget (zeros without it), and how the split moved."""
-        if self.unified is None:
-            return dict.fromkeys(MEMORY_FIELDS, 0)
-        led = self.ledger
-        split = led.bytes_by_kind()
-        c = led.counters
-        return {
-            "memory_budget_bytes": led.geom.budget_bytes,
-            "memory_kv_bytes": split["kv_bytes"],
-            "memory_kv_used_bytes": split["kv_used_bytes"],
-            "memory_active_bytes": split["active_bytes"],
-            "memory_checkpoint_bytes": split["checkpoint_bytes"],
-            "memory_free_bytes": split["free_bytes"],
-            "memory_reserved_bytes": split["reserved_bytes"],
-            "memory_largest_free_run_bytes": led.largest_free_run(),
-            "memory_blocks_to_kv": c.blocks_to_kv,
-            "memory_blocks_to_active": c.blocks_to_active,
-            "memory_blocks_to_checkpoints": c.blocks_to_ckpt,
-            "memory_peak_kv_bytes": c.peak_kv_blocks * led.geom.block_bytes,
-            "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
-            "memory_peak_active_bytes": c.peak_active_blocks * led.geom.block_bytes,
-            "memory_reclaims": c.reclaims,
-            "memory_reclaim_evicted_bytes": c.reclaim_evicted_bytes,
-            "memory_active_overflows": c.active_overflows,
-        }
+        return cache_stats(self)
 
     def pretty_print(self) -> None:
         print(f"k3 radix cache: {self.stats_dict()}")
-
-
-MEMORY_FIELDS = (
-    "memory_budget_bytes",
-    "memory_kv_bytes",
-    "memory_kv_used_bytes",
-    "memory_active_bytes",
-    "memory_checkpoint_bytes",
-    "memory_free_bytes",
-    "memory_reserved_bytes",
-    "memory_largest_free_run_bytes",
-    "memory_blocks_to_kv",
-    "memory_blocks_to_active",
-    "memory_blocks_to_checkpoints",
-    "memory_peak_kv_bytes",
-    "memory_peak_checkpoint_bytes",
-    "memory_peak_active_bytes",
-    "memory_reclaims",
-    "memory_reclaim_evicted_bytes",
-    "memory_active_overflows",
-)
 
 
 def _eviction_policy(hf_config: Optional[dict]) -> EvictionPolicy:

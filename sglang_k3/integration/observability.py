@@ -165,6 +165,79 @@ class ReqMatch(NamedTuple):
     kv_match_len: int
 
 
+def cache_stats(cache) -> dict[str, Any]:
+    """The k3 cache's counters and levels: the lifecycle's (tree, store, tiers), the forward's
+    (export stash, deferred restores), the page copies and the unified budget's split."""
+    cache.lifecycle.forget_done()
+    d = cache.lifecycle.stats()
+    stash, restores = cache.fwd.stash, cache.fwd.restores
+    d.update(
+        # Exported chunk-boundary rows held between a forward and its checkpoints (memory
+        # SGLang's planner does not budget), and what keeping the full tensors would pin.
+        export_stash_bytes=stash.stash_bytes(),
+        export_stash_peak_bytes=stash.peak_bytes,
+        export_stash_last_bytes=stash.last_kept_bytes,
+        export_full_peak_bytes=stash.peak_exported_bytes,
+        export_dropped_unconsumed=stash.dropped_unconsumed,
+        # quantized hits restored at the forward, batched: average batch = restored / flushes
+        deferred_restore_flushes=restores.flushes,
+        deferred_restores=restores.restored,
+        kv_page_copies=cache.kv_page_copies,
+        matches_not_admitted=cache.matches_not_admitted,
+    )
+    d.update(memory_split(cache))
+    return d
+
+
+def memory_split(cache) -> dict:
+    """Bytes per kind in the unified budget (zeros without it), and how the split moved."""
+    if cache.unified is None:
+        return dict.fromkeys(MEMORY_FIELDS, 0)
+    led = cache.ledger
+    split = led.bytes_by_kind()
+    c = led.counters
+    return {
+        "memory_budget_bytes": led.geom.budget_bytes,
+        "memory_kv_bytes": split["kv_bytes"],
+        "memory_kv_used_bytes": split["kv_used_bytes"],
+        "memory_active_bytes": split["active_bytes"],
+        "memory_checkpoint_bytes": split["checkpoint_bytes"],
+        "memory_free_bytes": split["free_bytes"],
+        "memory_reserved_bytes": split["reserved_bytes"],
+        "memory_largest_free_run_bytes": led.largest_free_run(),
+        "memory_blocks_to_kv": c.blocks_to_kv,
+        "memory_blocks_to_active": c.blocks_to_active,
+        "memory_blocks_to_checkpoints": c.blocks_to_ckpt,
+        "memory_peak_kv_bytes": c.peak_kv_blocks * led.geom.block_bytes,
+        "memory_peak_checkpoint_bytes": c.peak_ckpt_blocks * led.geom.block_bytes,
+        "memory_peak_active_bytes": c.peak_active_blocks * led.geom.block_bytes,
+        "memory_reclaims": c.reclaims,
+        "memory_reclaim_evicted_bytes": c.reclaim_evicted_bytes,
+        "memory_active_overflows": c.active_overflows,
+    }
+
+
+MEMORY_FIELDS = (
+    "memory_budget_bytes",
+    "memory_kv_bytes",
+    "memory_kv_used_bytes",
+    "memory_active_bytes",
+    "memory_checkpoint_bytes",
+    "memory_free_bytes",
+    "memory_reserved_bytes",
+    "memory_largest_free_run_bytes",
+    "memory_blocks_to_kv",
+    "memory_blocks_to_active",
+    "memory_blocks_to_checkpoints",
+    "memory_peak_kv_bytes",
+    "memory_peak_checkpoint_bytes",
+    "memory_peak_active_bytes",
+    "memory_reclaims",
+    "memory_reclaim_evicted_bytes",
+    "memory_active_overflows",
+)
+
+
 def server_snapshot(cache) -> dict[str, Any]:
     """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
     snap: dict[str, Any] = dict(cache.stats_dict())
