@@ -116,3 +116,36 @@ def test_a_matched_request_the_prefill_adder_refuses_gives_its_pin_back(dtype, s
     evict_from_tree_cache(cache, a_len)
     got = alloc.alloc(a_len)
     assert got is not None and len(got) == a_len
+
+
+def test_scheduler_verbs_are_found_on_the_k3_cache_only():
+    """The patches reach the cache only through ``verbs_of``: the k3 cache's verbs, None for
+    anything else (SGLang's own cache, a disabled one), so every patch is a no-op there. The verbs
+    hand each moment to the cache: a refused match drops its pin, an empty queue ends the wants,
+    the snapshot is what ``/server_info`` shows."""
+    from cpu_pools import k3_cache_on_cpu
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_k3.integration.scheduler_verbs import SchedulerVerbs, verbs_of
+
+    cache = k3_cache_on_cpu(K3Config())
+    verbs = verbs_of(cache)
+    assert isinstance(verbs, SchedulerVerbs) and verbs.cache is cache
+    assert verbs_of(None) is None and verbs_of(object()) is None
+
+    req = _req("v1", list(range(200)))
+    before = verbs.lookups()
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), cow_mamba=True, req=req))
+    assert verbs.lookups() == before + 1
+    verbs.not_admitted(req)
+    snap = verbs.snapshot()
+    assert snap["matches_not_admitted"] == 1 and snap["checkpoint_dtype"] == "int8"
+    assert {"tier_saves", "memory_budget_bytes", "tracked_requests"} <= set(snap)
+
+    cache.tree._wanted_since = 0  # as after a refresh: every touched checkpoint is wanted
+    verbs.waiting_queue_empty()
+    assert cache.tree._wanted_since == 1 << 62
+    with verbs.eviction_refresh():
+        assert cache.eviction_refresh is True
+    assert cache.eviction_refresh is False

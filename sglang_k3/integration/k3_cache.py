@@ -49,6 +49,7 @@ from sglang_k3.cache.build import build_lifecycle, check_page_size
 from sglang_k3.cache.cost_model import from_hf_config
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
+from sglang_k3.integration.observability import cache_stats, server_snapshot
 from sglang_k3.integration.scheduler_verbs import SchedulerVerbs
 from sglang_k3.integration.tier_setup import build_tiers
 from sglang_k3.integration.unified_memory import checkpoint_buffers, mla_pool_of, unified_of
@@ -512,11 +513,13 @@ class K3RadixCache(BasePrefixCache):
 
     # ---------------------------------------------------------------- observability
     def stats_dict(self) -> dict:
-        """Every counter and level of this cache (``/server_info``, ``/metrics``):
-        :func:`sglang_k3.integration.observability.cache_stats`."""
-        from sglang_k3.integration.observability import cache_stats
-
+        """Every counter and level of this cache: :func:`sglang_k3.integration.observability.cache_stats`."""
         return cache_stats(self)
+
+    def server_snapshot(self) -> dict:
+        """What ``/server_info`` and ``/metrics`` show of this cache (:func:`~sglang_k3.integration.
+        observability.server_snapshot`)."""
+        return server_snapshot(self)
 
     def pretty_print(self) -> None:
         print(f"k3 radix cache: {self.stats_dict()}")

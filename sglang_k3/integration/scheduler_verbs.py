@@ -85,16 +85,11 @@ class SchedulerVerbs:
     # ---------------------------------------------------------------- observability
     def snapshot(self) -> dict[str, Any]:
         """The cache's counters and levels (the ``/server_info`` entry and the metrics)."""
-        from sglang_k3.integration.observability import server_snapshot
-
-        return server_snapshot(self.cache)
+        return self.cache.server_snapshot()
 
 
 def verbs_of(tree_cache: Any) -> Optional[SchedulerVerbs]:
-    """The verbs of ``tree_cache`` if it is the k3 cache, else None (SGLang's own cache, a
-    disabled cache, or none)."""
-    if tree_cache is None:
-        return None
-    from sglang_k3.integration.k3_cache import K3RadixCache
-
-    return tree_cache.scheduler_verbs if isinstance(tree_cache, K3RadixCache) else None
+    """The verbs of ``tree_cache`` if it is the k3 cache (which builds its own), else None
+    (SGLang's own cache, a disabled cache, or none)."""
+    verbs = getattr(tree_cache, "scheduler_verbs", None)
+    return verbs if isinstance(verbs, SchedulerVerbs) else None
