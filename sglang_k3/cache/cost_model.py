@@ -21,6 +21,7 @@ Presets:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
@@ -107,19 +108,30 @@ class ModelCostConfig:
         n_dense = min(self.first_k_dense, self.num_layers)
         return 2 * (n_dense * dense + (self.num_layers - n_dense) * moe)
 
-    def prefill_flops(self, a: int, b: int) -> float:
-        """FLOPs to prefill tokens [a, b) given that the prefix [0, a) is cached."""
-        if b <= a:
-            return 0.0
-        n = b - a
-        linear = n * (
+    @cached_property
+    def _linear_flops_per_token(self) -> int:
+        """Every layer's per-token FLOPs that do not depend on the context length."""
+        return (
             self.num_kda_layers * self._kda_linear_flops_per_token()
             + self.num_mla_layers * self._mla_linear_flops_per_token()
             + self._ffn_flops_per_token()
         )
+
+    @cached_property
+    def _attn_flops_per_context_token(self) -> int:
+        return self.num_mla_layers * self._mla_attn_flops_per_context_token()
+
+    def prefill_flops(self, a: int, b: int) -> float:
+        """FLOPs to prefill tokens [a, b) given that the prefix [0, a) is cached. Eviction asks it
+        for every candidate checkpoint at every shortage, so the per-token constants are computed
+        once per model (the same integers, so the same floats)."""
+        if b <= a:
+            return 0.0
+        n = b - a
+        linear = n * self._linear_flops_per_token
         # token t attends to t+1 positions (itself and its prefix): sum over t in [a, b)
         ctx = (a + b + 1) * n / 2
-        attn = self.num_mla_layers * self._mla_attn_flops_per_context_token() * ctx
+        attn = self._attn_flops_per_context_token * ctx
         return float(linear + attn)
 
 

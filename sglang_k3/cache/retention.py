@@ -340,6 +340,11 @@ class Retention:
     def _candidate(self, cks: list[Checkpoint]) -> Candidate:
         """Checkpoints that go together, priced as one: the FLOPs their hits save over the bytes
         they keep alive (their own and the KV only they hold), at their newest access."""
+        if len(cks) == 1:  # the common case (a block holds one checkpoint): the same values, no generators
+            c = cks[0]
+            return Candidate(
+                cks, c.last_access, self.expected_saving(c), c.nbytes + self._kv_freed_with(c), self.wanted(c)
+            )
         return Candidate(
             cks,
             max(c.last_access for c in cks),
