@@ -138,6 +138,7 @@ def test_trace_slice_links_turns_and_scales():
     assert all(1 <= m <= 16 for m in ts.max_new_tokens)
 
 
+@pytest.mark.skipif(not os.path.exists(REAL_TRACE), reason="Mooncake trace not shipped here")
 def test_trace_slice_under_a_context_keeps_only_conversations_that_fit():
     """Under --pressure the servers refuse a prompt near --max-total-tokens (an abort, whose
     output ids are no answer); the slice leaves out conversations with such a turn."""
