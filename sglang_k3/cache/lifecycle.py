@@ -102,6 +102,8 @@ class CacheLifecycle:
             raise ValueError("lower tiers need alloc_kv to bring KV back to the device")
         self.tiers = tiers
         self.bridge: Optional[TierBridge] = None
+        # With a lower tier, evictions hand back a SaveBoundary for the executor to demote.
+        tree.capture_evicted = tiers is not None
         if tiers is not None:
             self.bridge = TierBridge(tree, store, tiers, alloc_kv, free_kv, self.insert, park_every)  # type: ignore[arg-type]
         self.executor = ActionExecutor(store.free, free_kv, self.bridge.save_boundary if self.bridge else None)

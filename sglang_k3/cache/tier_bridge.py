@@ -56,7 +56,6 @@ class TierBridge:
         # inside this prompt restores close to where it forks. 0: off.
         self.park_every = park_every
         self.counters = BridgeCounters()
-        tree.capture_evicted = True  # evictions hand back SaveBoundary actions for save_boundary
 
     # ------------------------------------------------------------------ down
     @property

@@ -240,7 +240,7 @@ MEMORY_FIELDS = (
 
 def server_snapshot(cache) -> dict[str, Any]:
     """The cache's counters and levels, as plain numbers (the ``/server_info`` entry)."""
-    snap: dict[str, Any] = dict(cache.stats_dict())
+    snap: dict[str, Any] = cache_stats(cache)
     for f in TIER_FIELDS:
         snap.setdefault(f, 0)
     snap["checkpoint_slot_bytes"] = int(cache.store.slot_bytes)

@@ -15,8 +15,7 @@ from sglang_k3.process_group import stop_group
 from sglang_k3.tiers.system_deps import (
     WHEEL_FIX,
     MissingDependency,
-    missing_library,
-    missing_library_error,
+    raise_if_missing_library,
     store_client_class,
 )
 
@@ -138,9 +137,7 @@ class MooncakeMaster:
                 log = f.read()
         except OSError:
             log = ""
-        library = missing_library(log)
-        if library is not None:
-            raise missing_library_error("mooncake_master", library)
+        raise_if_missing_library("mooncake_master", log)
         tail = " | ".join(log.strip().splitlines()[-3:])
         raise RuntimeError(f"mooncake_master exited with {rc}; log {self.log_path}" + (f": {tail}" if tail else ""))
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from sglang_k3.process_group import GroupProcess, exit_on_stop_signals
-from sglang_k3.tiers.system_deps import MissingDependency, missing_library, missing_library_error, store_client_class
+from sglang_k3.tiers.system_deps import MissingDependency, raise_if_missing_library, store_client_class
 
 
 class StoreHolderProcess(GroupProcess):
@@ -44,9 +44,7 @@ class StoreHolderProcess(GroupProcess):
         try:
             self.wait_until(self._mounted, timeout, 0.2, "the store holder")
         except RuntimeError as e:
-            library = missing_library(str(e))
-            if library is not None:
-                raise missing_library_error("the store holder", library) from None
+            raise_if_missing_library("the store holder", str(e))
             raise
         return self
 

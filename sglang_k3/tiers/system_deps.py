@@ -62,8 +62,14 @@ def missing_library(text: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def missing_library_error(what: str, library: str) -> MissingDependency:
-    return MissingDependency(what, f"the system library {library}", install_command(library))
+def raise_if_missing_library(what: str, text: str) -> None:
+    """:class:`MissingDependency` for ``what`` when ``text`` (a process's log, an ImportError's
+    message) carries the loader's message for a missing system library; else nothing."""
+    library = missing_library(text)
+    if library is not None:
+        err = MissingDependency(what, f"the system library {library}", install_command(library))
+        err.__suppress_context__ = True  # as ``raise ... from None``: the loader's error is in the message
+        raise err
 
 
 def store_client_class(what: str = "the Mooncake store client"):
@@ -76,8 +82,6 @@ def store_client_class(what: str = "the Mooncake store client"):
             raise
         raise MissingDependency(what, "the Mooncake wheel", WHEEL_FIX) from None
     except ImportError as e:
-        library = missing_library(str(e))
-        if library is None:
-            raise
-        raise missing_library_error(what, library) from None
+        raise_if_missing_library(what, str(e))
+        raise
     return MooncakeDistributedStore
