@@ -29,6 +29,7 @@ class K3Config:
     checkpoint_generation_end: bool = True
     checkpoint_branch_points: bool = True
     checkpoint_keep_superseded: bool = False  # keep a finished request's earlier states too
+    adaptive_retention: bool = True  # keep states those rules would drop where ghosts show reuse
     checkpoint_budget: int = 8  # checkpoints on one root-to-leaf path; 0: no cap
     checkpoint_dtype: str = "int8"
     checkpoint_slots: int = 64  # int8/bf16: the checkpoint pool's size, in checkpoints

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from sglang_k3.cache.ghosts import MISS_CAUSES
 from sglang_k3.integration import observability as obs
 
 PRINTABLE = list(range(32, 127))
@@ -114,6 +115,9 @@ def test_server_info_k3_cache(exchange):
     assert info["kv_tokens"] >= len(exchange.prompts[1])
     for key in ("evicted_kv_tokens", "evicted_checkpoints", "evicted_checkpoint_bytes"):
         assert info[key] >= 0
+    # every looked-up token is restored or counted by the cause that it was not
+    misses = [info[f"miss_{c}_tokens"] for c in MISS_CAUSES]
+    assert min(misses) >= 0 and sum(misses) == info["requested_tokens"] - info["hit_tokens"], info
 
 
 def test_metrics_match_server_info(exchange):

@@ -78,6 +78,9 @@ class IntStore:
 def _lc(store=None, **cfg):
     store = store or IntStore()
     freed_kv: list[int] = []
+    # The placement rules themselves; where the reuse learner keeps a state a rule would drop is
+    # tested in test_ghosts.py.
+    cfg.setdefault("adaptive_retention", False)
     lc = build_lifecycle(K3Config(**cfg), store, EvictionPolicy(), freed_kv.extend)
     return lc, store, freed_kv
 

@@ -278,4 +278,6 @@ class TreePolicy(Policy):
             "kv_tokens_evicted": s.evicted_kv_tokens * self.cfg.unit,
             "state_bytes_per_checkpoint": self.ckpt_nbytes,
             "budget_overshoot_bytes_max": self.overshoot_max,
+            # prompt tokens not restored, by cause (sglang_k3/cache/ghosts.py), in real tokens
+            "misses": {k: v * self.cfg.unit for k, v in self.tree.misses.as_dict().items()},
         }

@@ -374,6 +374,9 @@ class K3Policy(Policy):
             "k3_config": dataclasses.asdict(self.k3),
             "unified_memory": self.unified,
             "kv_alloc_failures": self.kv_alloc_failures,
+            # prompt tokens not restored, by cause (sglang_k3/cache/ghosts.py), in real tokens
+            "misses": {k: v * self.cfg.unit for k, v in self.tree.misses.as_dict().items()},
+            "reuse": (self.tree.reuse.as_dict() if self.tree.reuse is not None else None),
         }
         if self.tiers is not None:
             t = self.tiers.stats()
@@ -426,3 +429,15 @@ class K3FixedPolicy(K3Policy):
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         super().__init__(cfg, budget_bytes, dataclasses.replace(base, unified_memory=False))
+
+
+class K3RulesPolicy(K3Policy):
+    """``--k3-no-adaptive-retention`` (not the default): the placement rules that let states go
+    (recycling superseded chunk ends, one state per turn) apply always, as before the reuse
+    learner (sglang_k3/cache/ghosts.py). Shown beside ``k3`` to measure what the learner does."""
+
+    name = "k3-rules"
+
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
+        base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
+        super().__init__(cfg, budget_bytes, dataclasses.replace(base, adaptive_retention=False), shared_l3)

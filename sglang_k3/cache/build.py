@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from sglang_k3.cache.ghosts import ReuseLearner
 from sglang_k3.cache.lifecycle import CacheLifecycle
 from sglang_k3.cache.placement import PlacementPolicy
 from sglang_k3.cache.ports import CheckpointStore, TierPort
@@ -80,8 +81,11 @@ def build_lifecycle(
     host gives the eviction policy its cost model; the config gives it its alpha)."""
     eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
     park = cfg.tier_park_interval // unit if tiers is not None else 0
+    tree = build_tree(eviction, page_size)
+    if cfg.adaptive_retention:
+        tree.reuse = ReuseLearner()
     return CacheLifecycle(
-        build_tree(eviction, page_size),
+        tree,
         placement_from_config(cfg, unit),
         store,
         free_kv,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sglang_k3.cache.actions import ActionExecutor, Freed
+from sglang_k3.cache.ghosts import ReuseLearner
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
 from sglang_k3.cache.ports import CheckpointStore, ExportSource, TierPort
@@ -514,6 +515,8 @@ class CacheLifecycle:
             tier_errors=self.bridge.counters.tier_errors if self.bridge else 0,
             tier_parked=self.bridge.counters.tier_parked if self.bridge else 0,
         )
+        d.update(self.tree.misses.as_dict())
+        d.update((self.tree.reuse or ReuseLearner()).as_dict())
         d.update(self.store.stats())
         if self.tiers is not None:
             d.update(self.tiers.stats())

@@ -52,6 +52,8 @@ class Checkpoint:
     hits: int = 0  # admitted matches that restored from it (evidence it is worth keeping)
     wanted: int = 0  # clock of the last waiting-queue touch that would restore from it (tree.touch)
     superseded: bool = False  # serves only a repeat of its prompt: priced at 0, so recency alone keeps it
+    watch: int = -1  # the ghosts.StateClass whose reuse its first hit counts for; -1: none
+    judged: bool = False  # retention already decided to keep it past its placement rule (Retention.judge)
 
     @property
     def complete(self) -> bool:
@@ -82,6 +84,7 @@ class Node:
     lock_ref: int = 0
     last_access: int = 0
     ragged: int = 0  # children that end inside a KV page (ragged leaves; the tree keeps the count)
+    ghosts: dict = field(default_factory=dict)  # pos -> ghosts.Ghost: states let go here (start < pos <= end)
 
     @property
     def end(self) -> int:

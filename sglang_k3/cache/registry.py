@@ -9,7 +9,8 @@ under a lock that protects them) and their bytes.
 
 :class:`CheckpointRegistry` is one part of :class:`~sglang_k3.cache.tree.K3RadixTree` (which
 inherits it with the radix structure and :class:`~sglang_k3.cache.retention.Retention`); it reads
-the structure's nodes and paths and never changes them.
+the structure's nodes and paths and never changes them, except for the ghost a dropped or evicted
+checkpoint leaves on its node (:mod:`sglang_k3.cache.ghosts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
+from sglang_k3.cache.ghosts import Ghost, GhostReason, StateClass
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.results import Pin
 
@@ -131,6 +133,10 @@ class CheckpointRegistry:
             last_access=self._tick(),
         )
         holder.checkpoints[pos] = ck
+        holder.ghosts.pop(pos, None)  # a state is back where one was let go
+        if self.reuse is not None and kind & CheckpointKind.GEN_END:
+            self.reuse.observe(StateClass.TURN)  # the reference class: is a turn end used again?
+            ck.watch = StateClass.TURN
         self._ckpts[ck.id] = ck
         for h in ck.held_handles():
             self._handle_owner[h] = ck
@@ -183,6 +189,10 @@ class CheckpointRegistry:
         path = None
         if reason is DropReason.EVICTED and self.capture_evicted and not ck.superseded:
             path = self.path_prefix(ck.node, ck.pos)
+        if reason in (DropReason.EVICTED, DropReason.RECYCLED):
+            ck.node.ghosts[ck.pos] = Ghost(
+                GhostReason.EVICTED if reason is DropReason.EVICTED else GhostReason.DROPPED, ck.watch
+            )
         del ck.node.checkpoints[ck.pos]
         del self._ckpts[ck.id]
         handles = ck.held_handles()
@@ -211,6 +221,10 @@ class CheckpointRegistry:
         groups at once) and lock the KV path under it until the copy-on-write has landed."""
         ck.hits += 1
         ck.superseded = False
+        if ck.watch >= 0:
+            if self.reuse is not None:
+                self.reuse.reused(ck.watch, self.saved_flops(ck))
+            ck.watch = -1  # a state counts once
         ck.pins += 1
         self.inc_lock_ref(ck.node)  # type: ignore[arg-type]
         self._restat(ck)

@@ -38,6 +38,14 @@ Dropping a checkpoint keeps its KV (the node becomes a pass-through). For a budg
 leave the tree unless there is evidence of forks there (:meth:`Retention.drop_superseded`); the one
 an identical prompt would restore from stays, superseded, priced at 0.
 
+**Learned exceptions.** That rule and the recycling of superseded chunk ends were measured on
+linear conversations. Where the traffic comes back inside finished prompts (many questions over
+the same documents), the states they drop are what later forks restore from. So each state they
+would drop leaves a ghost, and with a :class:`~sglang_k3.cache.ghosts.ReuseLearner` the tree keeps
+such states while their class has saved as much prefill per state, counting ghost hits, as the
+turn ends the cache always keeps (:meth:`Retention.judge`; ``--k3-no-adaptive-retention`` turns it
+off).
+
 :class:`Retention` is one part of :class:`~sglang_k3.cache.tree.K3RadixTree` (with the radix
 structure and the :class:`~sglang_k3.cache.registry.CheckpointRegistry`): it reads the structure,
 and changes checkpoints only through the registry and KV only through the structure's trims.
@@ -52,6 +60,7 @@ from typing import Callable, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.cost_model import ModelCostConfig
+from sglang_k3.cache.ghosts import StateClass
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 
 
@@ -421,10 +430,35 @@ class Retention:
         (called while the request that owns ``node`` runs)."""
         freed = Freed()
         for ck in policy.select_recyclable(self.path_checkpoints(node), self.is_branch_point):
-            if ck.pins == 0 and ck.ready:
+            if ck.pins == 0 and ck.ready and not self.judge(ck):
                 freed.extend(self.drop_checkpoint(ck, DropReason.RECYCLED))
         self.stats.recycled_checkpoints += freed.checkpoints
         return freed
+
+    # ------------------------------------------------------------------ learned exceptions
+    def judge(self, ck: Checkpoint) -> bool:
+        """A placement rule (recycling a superseded chunk end, one state per turn) would let ``ck``
+        go: keep it instead? Yes when the tree has a reuse learner and ``ck``'s class of state
+        has been used again at least as often as the turn-end states, which the cache always
+        keeps (:meth:`~sglang_k3.cache.ghosts.ReuseLearner.keeps`); a state kept so is priced as
+        any other and judged once. Either way its first use, as a hit or as a hit on the ghost it
+        leaves, teaches the learner. The rules were measured on linear conversations, where a
+        state inside a finished turn is rarely restored again; on traffic that forks inside
+        earlier prompts (documents shared by many questions) such states are what later forks
+        restore from, and there the learner keeps them (docs/results.md, "Retention suite")."""
+        if self.reuse is None:
+            return False
+        if ck.judged:
+            return True
+        cls = StateClass.of(ck.kind)
+        if ck.watch == cls:
+            return False  # judged before and not kept (a repeat state left superseded)
+        self.reuse.observe(cls)
+        ck.watch = cls
+        if self.reuse.keeps(cls):
+            ck.judged = True
+            return True
+        return False
 
     # ------------------------------------------------------------------ one state per turn
     def drop_superseded(
@@ -465,6 +499,8 @@ class Retention:
                 or (repeat and ck.kind & CheckpointKind.PROMPT_END)
             ):
                 continue
+            if self.judge(ck):
+                continue  # its class is reused: kept, priced as any state
             if ck.kind & CheckpointKind.PROMPT_END and self._repeat_state(ck, placed, prompt_len, keep_repeat_state):
                 self.mark_superseded(ck)  # kept for a repeat of this prompt, priced at 0 (recency alone)
                 continue

@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
+from sglang_k3.cache.ghosts import MissCounts, ReuseLearner
 from sglang_k3.cache.node import Checkpoint, Node
 from sglang_k3.cache.registry import CheckpointRegistry
 from sglang_k3.cache.results import InsertResult, MatchResult
@@ -88,6 +89,10 @@ class K3RadixTree(Retention, CheckpointRegistry):
         # SaveBoundary (the path's tokens and KV indices) before the checkpoint's release.
         self.capture_evicted = False
         self.stats = CacheStats()
+        self.misses = MissCounts()
+        # With a learner, retention keeps states its placement rules would drop when their class
+        # has been reused (sglang_k3.cache.ghosts); None: the rules alone (the baselines' trees).
+        self.reuse: Optional[ReuseLearner] = None
         self._clock = 0
         self._next_id = 0
         self._reset_state()
@@ -204,8 +209,29 @@ class K3RadixTree(Retention, CheckpointRegistry):
         )
         if best is not None and pin:
             res.pin = self.pin_hit(best)
+        self._ghost_hit(path, len(key), mla_len, cap, restore, learn=pin)
         self.stats.record_match(MatchRecord(len(key), mla_len, restore, res.replayed_tokens))
         return res
+
+    def _ghost_hit(self, path: list[Node], key_len: int, mla_len: int, cap: int, restore: int, learn: bool) -> None:
+        """A match restored ``restore`` of ``key_len`` tokens: count the rest by cause
+        (``self.misses``, as ``stats`` counts every lookup), and, when it is admitted (``learn``),
+        a ghost it would have restored from (the deepest one in ``(restore, cap]``) as a use of its
+        class (:mod:`sglang_k3.cache.ghosts`)."""
+        gpos, ghost = 0, None
+        for node in reversed(path):
+            if node.end <= restore:
+                break
+            for pos, g in node.ghosts.items():
+                if restore < pos <= cap and pos > gpos:
+                    gpos, ghost = pos, g
+            if ghost is not None:
+                break  # ghosts on deeper nodes sit at larger positions
+        self.misses.record(key_len, mla_len, cap, restore, gpos, ghost)
+        if learn and ghost is not None and ghost.watch >= 0:
+            if self.reuse is not None:
+                self.reuse.reused(ghost.watch, self.policy.flops(restore, gpos))
+            ghost.watch = -1  # a state counts once
 
     def find_branch_point(self, key: Sequence[int]) -> Optional[int]:
         """Marconi-style speculative insertion, read-only: where would ``key`` fork off an
@@ -277,6 +303,8 @@ class K3RadixTree(Retention, CheckpointRegistry):
             ck = child.checkpoints.pop(pos)
             ck.node = mid
             mid.checkpoints[pos] = ck
+        for pos in [q for q in child.ghosts if q <= mid.end]:
+            mid.ghosts[pos] = child.ghosts.pop(pos)
         parent.children[tuple(child.key[:p])] = mid
         child.key, child.kv, child.start, child.parent = child.key[n:], child.kv[n:], mid.end, mid
         mid.children[tuple(child.key[:p])] = child
@@ -433,6 +461,8 @@ class K3RadixTree(Retention, CheckpointRegistry):
             leaf.parent = None
         else:
             leaf.key, leaf.kv = leaf.key[:cut], leaf.kv[:cut]
+            for pos in [q for q in leaf.ghosts if q > keep_end]:
+                del leaf.ghosts[pos]  # a ghost lives as long as the KV it sat on
         freed = Freed()
         freed.add_kv(out)
         return freed

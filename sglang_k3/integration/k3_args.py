@@ -62,7 +62,20 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "next to its generation-end state. By default they leave the tree then, unless they "
         "were hit, sit where cached paths fork, or the request repeated a cached prompt: the "
         "next turn matches the generation end, so one state per turn saves the same prefill "
-        "with half the state memory or less.",
+        "with half the state memory or less. Where the traffic reuses such states, the cache "
+        "keeps them anyway (see --k3-no-adaptive-retention).",
+    )
+    g.add_argument(
+        "--k3-no-adaptive-retention",
+        action="store_true",
+        help="k3 cache: apply the placement rules that let states go (recycling superseded "
+        "chunk ends, one state per turn) always. By default the cache learns, per class of "
+        "state (chunk end, prompt end, decode interval, earlier turn end), how often such "
+        "states are used again, from hits and from ghosts (records of the states it let go "
+        "that a later request would have restored from), and keeps a class's states while it "
+        "is used again at least as often as the turn-end states are. Linear conversations "
+        "rarely come back inside a finished turn, so there the rules hold; traffic that forks "
+        "inside earlier prompts (documents shared by many questions) keeps them.",
     )
     g.add_argument(
         "--k3-decode-checkpoint-interval",
@@ -258,6 +271,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         checkpoint_generation_end=not ns.k3_no_generation_checkpoints,
         checkpoint_branch_points=not ns.k3_no_branch_checkpoints,
         checkpoint_keep_superseded=ns.k3_keep_superseded_checkpoints,
+        adaptive_retention=not ns.k3_no_adaptive_retention,
         checkpoint_budget=ns.k3_checkpoint_budget,
         checkpoint_dtype=ns.k3_checkpoint_dtype,
         checkpoint_slots=ns.k3_checkpoint_slots,

@@ -43,6 +43,14 @@ REQ_MATCH_ATTR = "k3_match"
 REQ_SENT_ATTR = "k3_match_sent"
 
 METRIC_PREFIX = "sglang_k3_"
+# sglang_k3.cache.ghosts.StateClass, as the metrics name them
+REUSE_CLASSES = {
+    "turn": "generation-end state",
+    "chunk": "prefill chunk-end state",
+    "prompt": "prompt-end state",
+    "decode": "decode-interval state",
+    "old_turn": "generation-end state a later turn went past",
+}
 # stats field -> documentation. Gauges are levels; counters are lifetime totals (they survive
 # /flush_cache, which empties the tree but not the counts) and get prometheus' ``_total``.
 GAUGES: dict[str, str] = {
@@ -72,6 +80,11 @@ GAUGES: dict[str, str] = {
     "tier_host_spare_bytes": "Host tier: bytes of dropped objects' buffers kept for new ones (within the budget).",
     "tier_host_budget_bytes": "Host tier: its budget (0: off).",
     "tier_l3_segment_bytes": "Mooncake tier (--k3-mooncake): the segment this instance contributes (0: off or none).",
+    **{
+        f"reuse_{c}_value": f"Retention's estimate of the prefill FLOPs a {what} saves when used again "
+        "(hits and ghost hits), per state."
+        for c, what in REUSE_CLASSES.items()
+    },
 }
 COUNTERS: dict[str, str] = {
     "lookups": "Prefix lookups in the k3 tree.",
@@ -149,6 +162,18 @@ COUNTERS: dict[str, str] = {
     "tier_l3_put_refused": "Mooncake tier: puts refused (no segment has room, or the master is unreachable).",
     "tier_l3_get_hits": "Mooncake tier: objects read.",
     "tier_l3_errors": "Mooncake tier: calls that failed (master down, RPC error): counted as misses.",
+    "miss_no_kv_tokens": "Prompt tokens not restored: no MLA KV for them (never seen, or their KV was evicted).",
+    "miss_no_state_tokens": "Prompt tokens not restored: KV present, but no state was placed near them.",
+    "miss_state_dropped_tokens": (
+        "Prompt tokens not restored: a state there was let go by a placement rule (turn end, recycling)."
+    ),
+    "miss_state_evicted_tokens": "Prompt tokens not restored: a state there was evicted (and no tier had it).",
+    "miss_alignment_tokens": "Prompt tokens not restored: the last token of a fully cached prompt.",
+    **{
+        f"reuse_{c}_{k}": f"Retention: {what}s {doc}."
+        for c, what in REUSE_CLASSES.items()
+        for k, doc in (("judged", "observed"), ("used", "used again (a hit, or a hit on its ghost)"))
+    },
 }
 # Present (0) when no lower tier is on, so the series exist either way.
 TIER_FIELDS = tuple(f for f in (*GAUGES, *COUNTERS) if f.startswith("tier_"))
