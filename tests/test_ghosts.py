@@ -158,3 +158,27 @@ def test_learner_value_is_laplace_around_the_turn_ends():
     assert r.value(StateClass.CHUNK) == 50.0 / 10 and not r.keeps(StateClass.CHUNK)
     r.reused(StateClass.CHUNK, 400.0)  # one fork restored far from a chunk end
     assert r.value(StateClass.CHUNK) == 45.0 and r.keeps(StateClass.CHUNK)
+
+
+def test_a_state_kept_past_its_rule_is_priced_at_what_its_class_has_saved():
+    """Until it is hit, a state the learner kept promises its class's saving per state, not the
+    whole span it could save (priced by the span, kept states crowded KV out at tight budgets);
+    a hit makes it an ordinary state again."""
+    lc = _lc(adaptive=True)
+    first, forks = _doc_requests(1, 0)
+    _request(lc, "a", first, [7, 8], slot=1)
+    tree = lc.tree
+    kept = [c for c in tree.checkpoints() if c.judged]
+    assert kept
+    for _ in range(10):
+        tree.reuse.observe(StateClass.TURN)
+    tree.reuse.reused(StateClass.TURN, 1000.0)  # turn ends: 100 per state
+    for ck in kept:
+        cls = StateClass.of(ck.kind)
+        assert tree.expected_saving(ck) == min(tree.saved_flops(ck), tree.reuse.value(cls))
+    ck = max(kept, key=lambda c: c.pos)
+    assert tree.expected_saving(ck) < tree.saved_flops(ck)
+    m = lc.match("b", first[: ck.pos] + [3], admit=True, prompt_len=ck.pos + 1)
+    assert m.restore_len == ck.pos and ck.hits == 1
+    assert tree.expected_saving(ck) == tree.saved_flops(ck) * 2  # 1 + log2(1 + 1 hit)
+    lc.release("b")

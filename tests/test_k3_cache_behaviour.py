@@ -157,9 +157,10 @@ def test_quantized_stores_of_a_step_run_together(server_factory):
     below each prompt end) all in one launch too. (Under the overlap scheduler the live slots are
     a decode token past the prompt ends when those are checkpointed, so no live copy is made
     there: ``stale_state_skips``.) When a generation-end state lands, the prompt-end
-    state at 150 it supersedes leaves the tree (one state per turn) and the exported one at 128
-    stays (marked superseded: priced at 0 under pressure) for a repeat of the prompt, so a
-    request that continues the prompt differently restores at 128."""
+    state at 150 it supersedes leaves the tree (one state per turn, unless the reuse learner keeps
+    it) and the exported one at 128 stays (marked superseded: priced at 0 under pressure) for a
+    repeat of the prompt, so a request that continues the prompt differently restores at 128 or
+    150."""
     s = server_factory("k3_int8")
     _flush(s)
     rng = random.Random(15)
@@ -175,4 +176,6 @@ def test_quantized_stores_of_a_step_run_together(server_factory):
     assert ahead >= 4
     for p in prompts:
         out = s.generate(p + random_tokens(rng, 20), 2)
-        assert out["meta_info"]["cached_tokens"] == 128
+        # 150 where the reuse learner kept the prompt-end state (its class has been reused on this
+        # shared server: sglang_k3/cache/ghosts.py), else 128
+        assert out["meta_info"]["cached_tokens"] in (128, 150)

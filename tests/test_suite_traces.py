@@ -86,7 +86,13 @@ def test_bad_flags_are_refused(argv):
 
 def _rec(policy, hit):
     return dict(
-        member="m", chunked_prefill_size=8192, budget_gib=10, policy=policy, hit_rate=hit, checkpoint_bytes=1 << 30
+        member="m",
+        chunked_prefill_size=8192,
+        budget_gib=10,
+        policy=policy,
+        hit_rate=hit,
+        checkpoint_bytes=1 << 30,
+        oracle_fraction=hit / 0.7,
     )
 
 
@@ -96,7 +102,7 @@ def test_the_target_is_the_best_faithful_peer_and_rises_where_peers_trail_kv_onl
     [r] = suite.ratios(recs)
     # 0.48 < 0.9 x 0.60: the target is 1.05x, and 0.50 / 0.48 = 1.042 misses it
     assert r["best_peer"] == "upstream-int8" and r["target"] == 1.05 and not r["met"]
-    assert r["ratio"] == pytest.approx(0.50 / 0.48)
+    assert r["ratio"] == pytest.approx(0.50 / 0.48) and r["k3_rules"] == 0.40
     recs[2] = _rec("fa-budget", 0.52)  # peers within 0.9 of KV-only: 1.00x is enough
     [r] = suite.ratios(recs)
     assert r["target"] == 1.0 and r["met"]

@@ -226,6 +226,13 @@ class Retention:
         10-40 GiB; the conversation trace moved by less than 0.001."""
         if ck.superseded:
             return 0.0
+        if ck.judged and not ck.hits and self.reuse is not None:
+            # Kept past its placement rule and not used yet: it promises what its class has saved
+            # per state so far (ghost hits counted), not the whole span it could save. Priced by
+            # that span, such states crowded MLA KV out at tight budgets (conversation trace,
+            # chunk 2048, 10 GiB: 0.0435 -> 0.0406); priced so, 0.0435 and the kept states still
+            # serve the forks that come back (docs/results.md, "Retention suite").
+            return min(self.saved_flops(ck), self.reuse.value(StateClass.of(ck.kind)))
         return self.saved_flops(ck) * (1 + math.log2(1 + ck.hits))
 
     # ------------------------------------------------------------------ eviction
