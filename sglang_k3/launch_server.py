@@ -39,6 +39,11 @@ EMBEDDED_MODEL_DEFAULTS: list[tuple[str, str | None]] = [("--dtype", "float32")]
 CONSECUTIVE_PREFILL_ENV = "SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP"
 # sglang-k3's cache is the default; `--radix-cache-backend upstream` selects SGLang's own.
 CACHE_DEFAULTS: list[tuple[str, str | None]] = [("--radix-cache-backend", "k3")]
+# What the k3 cache needs on every device: it takes its states itself under `no_buffer`. Left
+# unset, SGLang resolves `extra_buffer` on a GPU (arg_groups/overrides.py), whose per-request
+# ping-pong slots k3 does not manage: they stayed allocated after every request and SGLang's
+# idle pool check stopped the server (seen on the H200, benchmarks/GPU_NOTES.md).
+K3_DEFAULTS: list[tuple[str, str | None]] = [("--mamba-radix-cache-strategy", "no_buffer")]
 
 
 def _given(argv: list[str], *flags: str) -> bool:
@@ -152,6 +157,8 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     _check_page_size(rest, cfg)
     if cfg.mooncake:
         _check_mooncake_client()
+    if _value(rest, "--radix-cache-backend") == "k3" and not _given(rest, "--disable-radix-cache"):
+        rest = _with_defaults(rest, K3_DEFAULTS)
     if _value(rest, "--radix-cache-backend") == "k3":
         # Under the overlap scheduler, process one prefill's results before the next prefill
         # starts (upstream's own switch; it helps the first batch's TTFT): the states the k3

@@ -89,6 +89,42 @@ def test_k3_runs_with_the_overlap_scheduler_by_default(monkeypatch):
     assert os.environ[L.CONSECUTIVE_PREFILL_ENV] == "0"
 
 
+def test_k3_gets_no_buffer_on_a_gpu_too(monkeypatch):
+    """Without the CPU defaults (a CUDA machine), k3 still runs under no_buffer: left to SGLang it
+    resolves extra_buffer there, whose per-request ping-pong slots k3 does not manage (on the H200
+    they stayed allocated and SGLang's idle pool check stopped the server). SGLang's own cache and a
+    cache-off server keep SGLang's resolution; a strategy the user gives is kept (and checked)."""
+    from sglang_k3 import launch_server as L
+
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
+    k3, _ = L.build_argv(["--model-path", "/m"])
+    assert L._value(k3, "--mamba-radix-cache-strategy") == "no_buffer"
+    assert "--device" not in k3 and "--disable-overlap-schedule" not in k3
+    for other in (["--radix-cache-backend", "upstream"], ["--disable-radix-cache"]):
+        argv, _ = L.build_argv(["--model-path", "/m", *other])
+        assert "--mamba-radix-cache-strategy" not in argv, argv
+    mine, _ = L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy=no_buffer"])
+    assert sum(a.startswith("--mamba-radix-cache-strategy") for a in mine) == 1
+    with pytest.raises(SystemExit, match="no_buffer"):
+        L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy", "extra_buffer"])
+
+
+def test_the_k3_factory_refuses_extra_buffer():
+    """Started another way (sglang.launch_server --radix-cache-backend k3 on a GPU, where SGLang
+    resolves extra_buffer), the k3 cache stops with the fix instead of leaking state slots."""
+    from types import SimpleNamespace
+
+    from sglang_k3.integration.radix_backends import k3_factory
+
+    ctx = SimpleNamespace(
+        disable_radix_cache=False,
+        is_hybrid_ssm=True,
+        server_args=SimpleNamespace(mamba_radix_cache_strategy="extra_buffer"),
+    )
+    with pytest.raises(ValueError, match="--mamba-radix-cache-strategy no_buffer"):
+        k3_factory(ctx)
+
+
 def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
     """SGLang's own check still refuses no_buffer with the overlap scheduler for its own cache."""
     from types import SimpleNamespace

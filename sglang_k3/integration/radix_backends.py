@@ -28,6 +28,15 @@ def k3_factory(ctx):
     if ctx.disable_radix_cache or not ctx.is_hybrid_ssm:
         logger.info("k3 radix cache not used (disabled or no KDA state); building upstream's")
         return default_radix_cache_factory(ctx)
+    if getattr(ctx.server_args, "mamba_radix_cache_strategy", None) == "extra_buffer":
+        # k3 takes its states itself; extra_buffer's per-request ping-pong slots would stay
+        # allocated after every request (sglang_k3.launch_server adds no_buffer for k3)
+        raise ValueError(
+            "--radix-cache-backend k3 needs --mamba-radix-cache-strategy no_buffer, but SGLang resolved "
+            f"{ctx.server_args.mamba_radix_cache_strategy!r}. Start it with python -m sglang_k3.launch_server "
+            "(which adds no_buffer) or pass --mamba-radix-cache-strategy no_buffer; "
+            "--radix-cache-backend upstream is SGLang's own extra_buffer cache."
+        )
     from sglang_k3.integration.k3_args import current
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext
