@@ -69,7 +69,8 @@ PRESSURE_SIZES = {
     "trace_window": 3000,
 }
 DEFAULT_LOGS = os.path.join(REPO, "benchmarks", "results", "tmp", "live_ab_logs")
-CACHES = ("k3", "upstream")
+CACHES = ("k3", "upstream")  # the pair every run compares
+KNOWN_CACHES = (*CACHES, "off")  # "off": --disable-radix-cache, the no-cache baseline (--caches)
 WORKLOADS = ("gsp", "multiturn", "trace")
 RATIO_METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tok_per_s", "prefill_tokens")
 SCHEMA = "sglang_k3.live_ab/1"
@@ -105,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="extra flags for the upstream server only (default none: SGLang's own default, extra_buffer "
         "with the overlap scheduler on; '--mamba-radix-cache-strategy no_buffer' for the no_buffer baseline)",
+    )
+    g.add_argument(
+        "--caches",
+        default=",".join(CACHES),
+        help="servers to run, from k3,upstream,off (off: --disable-radix-cache, the no-cache baseline); "
+        "k3 and upstream are required",
+    )
+    g.add_argument(
+        "--greedy-informational",
+        action="store_true",
+        help="record greedy mismatches between the caches without failing the run (bf16 on a GPU, where "
+        "two cache-off servers already disagree; benchmarks.noise_differential is the check there)",
     )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
@@ -171,6 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    args.caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if any(c not in KNOWN_CACHES for c in args.caches) or not set(CACHES) <= set(args.caches):
+        p.error(f"--caches: choose from {','.join(KNOWN_CACHES)}, with k3 and upstream; got {args.caches}")
     if args.out is None:
         args.out = PRESSURE_OUT if args.pressure else DEFAULT_OUT
     if args.pressure:
@@ -211,14 +227,21 @@ def ratio(a, b):
 
 
 def compute_ratios(records: list) -> list:
-    """k3/upstream per workload and metric, from the records' own numbers."""
+    """k3/upstream per workload and metric, from the records' own numbers (and k3/off and
+    upstream/off, under ``against``, where a cache-off server ran)."""
     by = {(r["workload"], r["cache"]): r for r in records}
     out = []
     for w in dict.fromkeys(r["workload"] for r in records):
-        k, u = by.get((w, "k3")), by.get((w, "upstream"))
+        k, u, o = by.get((w, "k3")), by.get((w, "upstream")), by.get((w, "off"))
         if k is None or u is None:
             continue
-        out.append({"workload": w, **{m: ratio(k[m], u[m]) for m in RATIO_METRICS}})
+        row = {"workload": w, **{m: ratio(k[m], u[m]) for m in RATIO_METRICS}}
+        if o is not None:
+            row["against_off"] = {
+                c: {m: ratio(r[m], o[m]) for m in RATIO_METRICS if m != "hit_rate"}
+                for c, r in (("k3", k), ("upstream", u))
+            }
+        out.append(row)
     return out
 
 
@@ -277,7 +300,7 @@ def print_table(records: list, ratios: list, greedy: dict) -> None:
     rat = {r["workload"]: r for r in ratios}
     print("\nworkload   cache     hit rate  TTFT p50  TTFT p90   out tok/s  prefill tok  errors")
     for w in dict.fromkeys(r["workload"] for r in records):
-        for c in CACHES:
+        for c in KNOWN_CACHES:
             r = by.get((w, c))
             if r:
                 print(
@@ -313,16 +336,17 @@ def plot(records: list, path: str, title: str) -> None:
         ("prefill_tokens", "prefill tokens computed"),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    width = 0.38
-    colors = {"k3": "#1f77b4", "upstream": "#ff7f0e"}
+    caches = [c for c in KNOWN_CACHES if any(r["cache"] == c for r in records)]
+    width = 0.8 / len(caches)
+    colors = {"k3": "#1f77b4", "upstream": "#ff7f0e", "off": "#7f7f7f"}
     for ax, (metric, label) in zip(axes, panels):
-        for j, c in enumerate(CACHES):
+        for j, c in enumerate(caches):
             xs, ys, err = [], [], []
             for i, w in enumerate(workloads):
                 r = by.get((w, c))
                 if r is None or r[metric] is None:
                     continue
-                xs.append(i + (j - 0.5) * width)
+                xs.append(i + (j - (len(caches) - 1) / 2) * width)
                 ys.append(r[metric])
                 if metric == "ttft_p50_s":
                     err.append(max(0.0, (r["ttft_p90_s"] or r[metric]) - r[metric]))
@@ -351,6 +375,8 @@ def server_args(args, cache: str) -> list:
         base += shlex.split(PRESSURE_BUDGET)
     if cache == "upstream-unified":
         return [*base, "--radix-cache-backend", "upstream", "--enable-unified-memory"]
+    if cache == "off":
+        return [*base, "--disable-radix-cache"]
     own = shlex.split(args.k3_server_args if cache == "k3" else args.upstream_server_args)
     return [*base, "--radix-cache-backend", cache, *own]
 
@@ -399,6 +425,11 @@ def warm_up(srv, vocab: list) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
+    import signal
+
+    # a `timeout` or Ctrl-C from a driver stops the servers this run started on the way out (the
+    # finally below), not only the harness: servers left behind hold GPU memory for the next run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     sys.path.insert(0, REPO)
     from benchmarks.live import workloads as wl
     from benchmarks.live.running import RunningPeak
@@ -481,9 +512,10 @@ def main(argv=None) -> int:
         upstream_unified = try_upstream_unified(args, Server, ServerStartError, log_dir, say)
     servers = {
         c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir, log_prefix="live_ab")
-        for c in CACHES
+        for c in args.caches
     }
-    records, outputs = [], {c: {} for c in CACHES}
+    records, outputs = [], {c: {} for c in args.caches}
+    failure = None  # a server or workload that failed after some workloads finished
     k3_split: dict = {}
     try:
         say("starting servers (both boot at once; 20-60 s each on a CPU):")
@@ -495,7 +527,7 @@ def main(argv=None) -> int:
             say(f"  {c} healthy after {s.start_seconds:.0f}s; warming up")
             warm_up(s, vocab)
         for wi, w in enumerate(workloads):
-            order = CACHES if wi % 2 == 0 else CACHES[::-1]  # alternate who goes first
+            order = args.caches if wi % 2 == 0 else args.caches[::-1]  # alternate who goes first
             for c in order:
                 s = servers[c]
                 s.flush_cache()
@@ -519,13 +551,16 @@ def main(argv=None) -> int:
                 )
     except (ServerStartError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        failure = str(e)[-2000:]
+        if not records:
+            return 1
+        print("writing the workloads that finished before the failure", file=sys.stderr)
     finally:
         for s in servers.values():
             s.stop()
 
     greedy = {}
-    for w in workloads:
+    for w in dict.fromkeys(r["workload"] for r in records):
         pre = {"gsp": "gsp/", "multiturn": "conv", "trace": "trace/"}[w]
         g = compare_outputs(
             {k: v for k, v in outputs["k3"].items() if k.startswith(pre)},
@@ -544,8 +579,8 @@ def main(argv=None) -> int:
         "git": git_info(),
         "settings": {
             "model": model_dir,
-            "server_args": {c: servers[c].args for c in CACHES},
-            "server_start_s": {c: servers[c].start_seconds for c in CACHES},
+            "server_args": {c: servers[c].args for c in args.caches},
+            "server_start_s": {c: servers[c].start_seconds for c in args.caches},
             "launch_server_cpu_defaults": "see docs/user_guide.md (device cpu, torch_native, --max-total-tokens 8192, "
             "--sleep-on-idle, ...)",
             "gsp": {k[4:]: v for k, v in vars(args).items() if k.startswith("gsp_")},
@@ -557,7 +592,8 @@ def main(argv=None) -> int:
             "order": "one server at a time; the first cache alternates per workload (record field 'order')",
         },
         "skipped": skipped,
-        "server_commands": {c: shlex.join(servers[c].command) for c in CACHES},
+        "server_commands": {c: shlex.join(servers[c].command) for c in args.caches},
+        "greedy_gates_exit": not args.greedy_informational,
         "pressure": None
         if not args.pressure
         else {
@@ -573,6 +609,7 @@ def main(argv=None) -> int:
                 if r["workload"] in ("multiturn", "trace")
             },
         },
+        "failure": failure,
         "records": records,
         "ratios": ratios,
         "greedy": greedy,
@@ -594,9 +631,12 @@ def main(argv=None) -> int:
         if upstream_unified and not upstream_unified.get("started"):
             print(f"upstream --enable-unified-memory: did not start: {upstream_unified.get('error')}")
     print(f"\nwrote {os.path.join(args.out, 'results.json')} and live_ab.png in {runtime:.0f}s", flush=True)
+    if failure is not None:
+        print(f"error: the run stopped early: {failure.splitlines()[0]}", file=sys.stderr)
+        return 1
     bad = [w for w in ("multiturn", "trace") if w in greedy and (greedy[w]["mismatches"] or greedy[w]["missing"])]
     errs = sum(r["errors"] for r in records)
-    if bad or errs:
+    if (bad and not args.greedy_informational) or errs:
         print(f"WARNING: greedy mismatches on {bad or 'none'}; {errs} failed requests", file=sys.stderr)
         return 3
     return 0

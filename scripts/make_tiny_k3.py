@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 
 from sglang_k3.model.tiny_build import build
@@ -22,12 +24,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (created; files are overwritten)")
     for f in dataclasses.fields(TinyK3Spec):
         p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"(default: {f.default})")
+    p.add_argument(
+        "--torch-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="torch_dtype written to config.json (default float32; bfloat16 for SGLang's GPU kernels, "
+        "whose rmsnorm has no fp32 kernel). The weights are stored in fp32 either way.",
+    )
     args = p.parse_args(argv)
     spec = TinyK3Spec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyK3Spec)})
     if spec.num_layers < spec.kda_every or spec.hidden_size <= 0 or spec.experts_per_token > spec.num_experts:
         p.error("need num_layers >= kda_every, hidden_size > 0 and experts_per_token <= num_experts")
     print(f"building {spec} into {args.out}", file=sys.stderr)
     build(args.out, spec)
+    if args.torch_dtype != "float32":
+        cfg_path = os.path.join(args.out, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["torch_dtype"] = args.torch_dtype
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
     print(args.out)
     return 0
 

@@ -189,7 +189,7 @@ SMALL = [
 
 def test_live_ab_end_to_end(tmp_path):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), *SMALL]
+    args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--caches", "k3,upstream,off", *SMALL]
     k3_args = _k3_fp32_args()
     if k3_args:
         args += ["--k3-server-args", k3_args]
@@ -205,7 +205,8 @@ def test_live_ab_end_to_end(tmp_path):
         assert sa[sa.index("--radix-cache-backend") + 1] == c
     workloads = ["gsp", "multiturn", "trace"] if os.path.exists(REAL_TRACE) else ["gsp", "multiturn"]
     by = {(x["workload"], x["cache"]): x for x in res["records"]}
-    assert set(by) == {(w, c) for w in workloads for c in ("k3", "upstream")}
+    assert set(by) == {(w, c) for w in workloads for c in ("k3", "upstream", "off")}
+    assert "--disable-radix-cache" in res["settings"]["server_args"]["off"]
     expected_requests = {"gsp": 2, "multiturn": 4, "trace": 3}
     for (w, c), rec in by.items():
         for k, t in METRICS.items():
@@ -225,6 +226,12 @@ def test_live_ab_end_to_end(tmp_path):
                 assert math.isclose(q[m], k[m] / u[m]), (q["workload"], m)
             else:
                 assert q[m] is None
+        # the cache-off server computes every prompt token; both caches are set against it
+        o = by[(q["workload"], "off")]
+        assert o["cached_tokens"] == 0 and o["prefill_tokens"] == o["prompt_tokens"]
+        for c, r in (("k3", k), ("upstream", u)):
+            want = r["prefill_tokens"] / o["prefill_tokens"]
+            assert math.isclose(q["against_off"][c]["prefill_tokens"], want), (q["workload"], c)
     # the oracle: same greedy tokens with either cache
     for w in workloads[1:]:
         g = res["greedy"][w]

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The project's GPU serving runs on the lent H200, one device call per phase:
+#
+#   run(command="bash benchmarks/gpu_serving.sh PHASE", carry=[".whl-serving"])
+#
+# (fetch the wheel set here first: bash ../shared/tools/gpu_serving/fetch_wheels.sh). Each call
+# installs SGLang 0.5.23's GPU wheel set and this project into /tmp/site (about 5 s), builds the
+# bf16 model with Kimi-Linear head sizes (kv_lora_rank 512, head dim 128), runs PHASE and leaves
+# its results and server logs in $OUT/PHASE.tar.gz. Servers are started and stopped by the Python
+# harnesses (each records its servers' pids in its log folder); nothing is left running.
+#
+# Phases:
+#   all           differential (fp32, int8, upstream; 40 requests) and ab (defaults only) at reduced
+#                 sizes, in one call (about 7 minutes): what one device session affords
+#   differential  benchmarks.noise_differential: k3 fp32, k3 int8 and upstream against cache-off,
+#                 judged against the bf16 noise floor of the same run, plus a deliberately corrupted
+#                 int8 restore; then the same floor under --enable-deterministic-inference.
+#   ab            benchmarks.live_ab with three servers (k3 at its defaults, upstream at its real
+#                 default: extra_buffer, overlap on, its Python tree core; cache off), prompts of a
+#                 few thousand tokens; then the same under a small, equal memory budget with k3's
+#                 host tier on (pinned host buffers of 2 GiB).
+set -u
+PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab}
+OUT=${OUT:?OUT must name the output folder (the device sets it)}
+# results gather here and come back as one archive, $OUT/PHASE.tar.gz (the device returns 8 files)
+RES=/tmp/res/$PHASE
+mkdir -p "$RES"
+trap 'tar czf "$OUT/$PHASE.tar.gz" -C /tmp/res "$PHASE"' EXIT
+exec > >(tee "$RES/driver.log") 2>&1
+
+if [ ! -d .whl-serving ]; then
+  echo "error: .whl-serving/ is missing: run bash ../shared/tools/gpu_serving/fetch_wheels.sh here and carry it"
+  exit 1
+fi
+# the command prefix of ../shared/tools/gpu_serving/README.md
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-serving/*.whl \
+  && cp .whl-serving/cutedsl_dual_gemm_shim.py /tmp/site/sglang/kernels/ops/gemm/cutedsl_dual_gemm.py \
+  && export PYTHONPATH=/tmp/site SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+# upstream's Rust tree core is built against torch 2.14's ABI and segfaults on this torch 2.11
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
+# Run from outside the checkout: there `python -m sglang_k3...` would import the source tree's
+# sglang_k3 first, which has no sglang_k3.patches (setup.py maps patches/ into it on install).
+# The installed project comes first; the benchmarks come from the checkout.
+REPO=$(pwd)
+export PYTHONPATH=/tmp/site:$REPO
+mkdir -p /tmp/run && cd /tmp/run || exit 1
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$RES/gpu.csv"
+
+MODEL=/tmp/k3-gpu-bf16
+if [ ! -f $MODEL/config.json ]; then
+  python3 $REPO/scripts/make_tiny_k3.py --out $MODEL --torch-dtype bfloat16 --hidden-size 1024 --kda-heads 8 \
+    --kda-head-dim 128 --mla-heads 8 --kv-lora-rank 512 --qk-nope-head-dim 128 --qk-rope-head-dim 64 \
+    --v-head-dim 128 --max-position-embeddings 65536 || exit 1
+fi
+cp $MODEL/config.json "$RES/model_config.json"
+# the trace slice's source: ../shared does not travel; carry the first 3,000 requests as .gpu-data
+# (mkdir -p .gpu-data && head -3000 ../shared/data/mooncake_conversation_trace.jsonl > .gpu-data/...)
+TRACE=$REPO/.gpu-data/mooncake_conversation_trace.jsonl
+# The GPU set-up every server shares: bf16 (sglang-kernel's rmsnorm has no fp32 kernel), the triton
+# attention backend (no FA3/FlashMLA/flashinfer in the wheel set), a slice of the 141 GB each so
+# that all of a phase's servers fit at once.
+KERNELS="--dtype bfloat16 --attention-backend triton --sampling-backend pytorch"
+
+# SGLang's idle pool check reports instead of stopping a server, so that one finding does not end
+# a whole device call; its reports are counted per server log at the end (idle_leak_reports.txt,
+# 0 expected). It found extra_buffer's ping-pong slots left allocated under k3 (now refused).
+export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0
+
+case $PHASE in
+all)
+  # one call for both, at reduced sizes (a device session has 30 minutes)
+  mkdir -p /tmp/inner
+  (cd "$REPO" && ND_REQUESTS=40 ND_CANDIDATES=fp32,int8,upstream ND_TIMEOUT=230 OUT=/tmp/inner \
+    bash benchmarks/gpu_serving.sh differential)
+  (cd "$REPO" && AB_SMALL=1 OUT=/tmp/inner bash benchmarks/gpu_serving.sh ab)
+  mv /tmp/res/differential /tmp/res/ab "$RES"/
+  ;;
+differential)
+  COMMON="--model-path $MODEL $KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
+  timeout ${ND_TIMEOUT:-360} python3 -m benchmarks.noise_differential --server-args "$COMMON" --candidates ${ND_CANDIDATES:-fp32,int8,bf16,upstream} \
+    --corrupt int8 --requests ${ND_REQUESTS:-64} --max-new-tokens 16 --system-len 512,2048 --user-len 16,256 --batch-size 8 \
+    --out "$RES/default" --log-dir "$RES/logs" --quiet
+  echo "noise_differential exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2  # a killed harness stops its servers; be sure
+  ;;
+ab)
+  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16"
+  if [ -n "${AB_SMALL:-}" ]; then
+    timeout 190 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+      --extra-server-args "$COMMON" \
+      --gsp-groups 3 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
+      --gsp-concurrency 6 --mt-conversations 6 --mt-turns 3 --mt-system-len 1024 --mt-first-len 1024 \
+      --mt-user-len 256 --mt-reply-len 32 --trace "$TRACE" --trace-requests 24 --trace-window 3000 --workloads multiturn,trace,gsp --trace-scale 4 \
+      --trace-max-output 32 --trace-concurrency 6 --out "$RES/default" --log-dir "$RES/logs" --quiet
+    echo "live_ab exit $?"
+    pkill -f sglang_k3.launch_server; sleep 2
+  else
+  timeout 270 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+    --extra-server-args "$COMMON" \
+    --gsp-groups 4 --gsp-prompts-per-group 8 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
+    --gsp-concurrency 8 --mt-conversations 8 --mt-turns 4 --mt-system-len 1024 --mt-first-len 1024 \
+    --mt-user-len 256 --mt-reply-len 32 --trace "$TRACE" --trace-requests 48 --trace-window 3000 --workloads multiturn,trace,gsp --trace-scale 4 \
+    --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
+  echo "live_ab exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and upstream's
+  # KV + state pools hold the same bytes), well under what the workloads' prefixes need
+  timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+    --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
+    --k3-server-args "--k3-host-tier-gib 2" \
+    --workloads multiturn,gsp --gsp-groups 8 --gsp-prompts-per-group 4 --gsp-system-len 2048 \
+    --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 4 --mt-conversations 12 --mt-turns 4 \
+    --mt-system-len 512 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32 \
+    --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
+  echo "live_ab (pressure) exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  # SGLang's deterministic-inference mode: does it run with these backends, and does the floor shrink?
+  timeout 110 python3 -m benchmarks.noise_differential --server-args "--model-path $MODEL $COMMON --enable-deterministic-inference" \
+    --candidates fp32,int8 --requests 48 --max-new-tokens 8 --system-len 512,2048 --user-len 16,256 \
+    --out "$RES/deterministic" --log-dir "$RES/logs_det" --quiet --start-timeout 90
+  echo "noise_differential --enable-deterministic-inference exit $?"
+  fi
+  ;;
+*)
+  echo "unknown phase $PHASE (all, differential, ab)"
+  exit 2
+  ;;
+esac
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$RES/gpu_apps_after.csv"
+grep -c "memory leak detected" "$RES"/logs*/*.log > "$RES/idle_leak_reports.txt" 2>/dev/null
+cat "$RES/idle_leak_reports.txt"
+for f in "$RES"/logs/diag_*.log; do
+  [ -f "$f" ] && grep -A14 "slot trace" "$f" > "$RES/diag_slot_trace.txt"
+done
+# keep the server logs small enough to come back: their last 300 lines
+for f in "$RES"/logs*/*.log; do
+  [ -f "$f" ] && tail -n 300 "$f" > "$f.tail" && mv "$f.tail" "$f"
+done
+du -sh "$RES"

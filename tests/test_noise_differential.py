@@ -1,0 +1,156 @@
+"""``python -m benchmarks.noise_differential``: the drift and the verdict on constructed data, the
+Mann-Whitney test against SciPy's, its command line, and one real run on CPU whose restore is
+corrupted on purpose (``tests/faults/sitecustomize.py``): the harness must flag it, and must not flag
+exact fp32 restores. The reference and the fp32 candidate are the session's servers (``nocache``,
+``k3``); the split-floor server and the corrupted one are started by the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks import noise_differential as nd  # noqa: E402
+
+
+def _out(tops):
+    """A ``/generate`` answer whose first position has these ``(logprob, token_id)`` candidates."""
+    return {"meta_info": {"output_top_logprobs": [[[lp, t, None] for lp, t in tops]]}}
+
+
+# ----------------------------------------------------------------------------- pure functions
+def test_first_token_keeps_the_top_k_in_order():
+    top = nd.first_token(_out([(-0.1, 7), (-2.0, 3), (-3.0, 9)]), top_k=2)
+    assert top == {7: -0.1, 3: -2.0} and list(top) == [7, 3]
+    assert nd.first_token({"meta_info": {}}, top_k=5) == {}
+
+
+def test_drift_reads_the_references_top_two():
+    ref = {7: -0.10, 3: -2.00, 9: -3.0}
+    assert nd.drift(ref, {7: -0.12, 3: -1.95, 9: -9.0}) == pytest.approx(0.05)  # the 3rd is ignored
+    assert nd.drift(ref, {3: -0.5, 7: -0.6}) == pytest.approx(1.5)  # top-2 swapped: still measured
+    assert nd.drift(ref, {7: -0.10}) == pytest.approx(0.0)  # ref's 2nd below the other's cut: skipped
+    assert nd.drift(ref, {3: -0.1, 9: -0.2}) == math.inf  # ref's top-1 gone from the other's top-k
+    assert math.isnan(nd.drift({}, {7: -0.1}))
+
+
+def test_mann_whitney_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    rng = random.Random(5)
+    for shift in (0.0, 0.3):
+        x = [rng.random() + shift for _ in range(25)]
+        y = [rng.random() for _ in range(40)] + [0.5] * 6  # ties
+        want = stats.mannwhitneyu(x, y, alternative="greater", method="asymptotic", use_continuity=True).pvalue
+        assert nd.mann_whitney_greater(x, y) == pytest.approx(want, rel=1e-9)
+    assert nd.mann_whitney_greater([], [1.0]) == 1.0
+    assert nd.mann_whitney_greater([1.0, 1.0], [1.0]) == 1.0  # all tied
+    assert nd.mann_whitney_greater([math.inf] * 5, [0.1, 0.2, 0.3, 0.4, 0.5]) < 0.01
+
+
+def test_judge_flags_what_noise_cannot_reach():
+    floor = [1e-3, 2e-3, 5e-3, 1e-3]
+    ok = nd.judge([("a", 4e-3), ("b", 1.9e-2)], floor)
+    assert ok["within_floor"] and ok["tau"] == 5e-3 and ok["flag_limit"] == pytest.approx(2e-2)
+    bad = nd.judge([("a", 4e-3), ("b", 0.3), ("c", math.inf)], floor)
+    assert not bad["within_floor"] and bad["flagged"] == ["b", "c"]
+    assert not nd.judge([], floor)["within_floor"]  # nothing restored: nothing shown
+    with pytest.raises(ValueError):
+        nd.judge([("a", 1.0)], [math.nan])
+
+
+# ----------------------------------------------------------------------------- CLI
+def _cli(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.noise_differential", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_explains_every_flag():
+    r = _cli("--help")
+    assert r.returncode == 0, r.stderr
+    actions = [a for a in nd.build_parser()._actions if a.option_strings and a.dest != "help"]
+    for a in actions:
+        assert a.help and a.option_strings[0] in r.stdout, a.option_strings
+    for word in ("floor", "drift", "--disable-radix-cache", "sitecustomize", "results.json"):
+        assert word in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--requests", "1"], "--requests"),
+        (["--candidates", "fp16"], "--candidates"),
+        (["--top-k", "1"], "--top-k"),
+        (["--url", "int8=http://x", "--candidates", "fp32"], "--url"),
+        (["--corrupt", "fp8"], "--corrupt"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_server(args, msg):
+    r = _cli(*args)
+    assert r.returncode == 2 and msg in r.stderr
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_a_corrupted_restore_is_flagged_and_exact_ones_are_not(server_factory, tmp_path):
+    """fp32 checkpoints restore exactly: their drift stays within the noise of the cache-off servers.
+    The corrupted server negates the first state it restores: that request is flagged, and the run
+    exits 0 only because the harness caught it (it exits 3 when a corruption goes unflagged)."""
+    ref, fp32 = server_factory("nocache"), server_factory("k3")
+    out = tmp_path / "out"
+    code = nd.main(
+        [
+            "--requests",
+            "16",
+            "--max-new-tokens",
+            "4",
+            "--seed",
+            "1",
+            "--candidates",
+            "fp32",
+            "--corrupt",
+            "fp32",
+            "--url",
+            f"reference={ref.url}",
+            "--url",
+            f"fp32={fp32.url}",
+            "--out",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "noise_differential.png").stat().st_size > 10_000
+    assert res["config"]["seed"] == 1 and res["config"]["servers"]["reference"] == {"external": ref.url}
+    conds = res["conditions"]
+    assert list(conds) == [nd.SPLIT, nd.BATCH, "fp32", "fp32_corrupt"]
+    floor = res["floor"]
+    assert floor["n"] == 32 and 0 < floor["tau"] < 1e-3  # fp32 on CPU: tiny, but measured
+    for name in ("fp32", "fp32_corrupt"):
+        v = res["verdicts"][name]
+        assert v["tau"] == floor["tau"] and v["restored_requests"] >= 5, v
+        assert v["restored_requests"] == sum(d["restored"] for d in conds[name]["requests"])
+    assert res["verdicts"]["fp32"]["within_floor"], res["verdicts"]["fp32"]
+    assert conds["fp32"]["greedy"]["flips"] == 0
+    bad = res["verdicts"]["fp32_corrupt"]
+    assert not bad["within_floor"] and len(bad["flagged"]) >= 1
+    worst = max(d["drift"] for d in conds["fp32_corrupt"]["requests"] if d["key"] in bad["flagged"])
+    assert worst > 1000 * floor["tau"]
+    # the fault really fired in that server, once
+    logs = [p for p in (tmp_path / "logs").iterdir() if "fp32_corrupt" in p.name]
+    assert sum(p.read_text(errors="replace").count("[fault injection] negated") for p in logs) == 1
