@@ -14,11 +14,12 @@
 #                 sizes, in one call (about 7 minutes): what one device session affords
 #   differential  benchmarks.noise_differential: k3 fp32, k3 int8 and upstream against cache-off,
 #                 judged against the bf16 noise floor of the same run, plus a deliberately corrupted
-#                 int8 restore; then the same floor under --enable-deterministic-inference.
+#                 int8 restore (--stagger: the reference first, so the rest find its Triton kernels).
 #   ab            benchmarks.live_ab with three servers (k3 at its defaults, upstream at its real
 #                 default: extra_buffer, overlap on, its Python tree core; cache off), prompts of a
-#                 few thousand tokens; then the same under a small, equal memory budget with k3's
-#                 host tier on (pinned host buffers of 2 GiB).
+#                 few thousand tokens, each cache's CPU time per scheduling step (--time-cache);
+#                 then the same under a small, equal memory budget with k3's host tier on (pinned
+#                 host buffers of 2 GiB); then the noise floor under --enable-deterministic-inference.
 set -u
 PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab}
 OUT=${OUT:?OUT must name the output folder (the device sets it)}
@@ -78,7 +79,7 @@ all)
   ;;
 differential)
   COMMON="--model-path $MODEL $KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
-  timeout ${ND_TIMEOUT:-360} python3 -m benchmarks.noise_differential --server-args "$COMMON" --candidates ${ND_CANDIDATES:-fp32,int8,bf16,upstream} \
+  timeout ${ND_TIMEOUT:-360} python3 -m benchmarks.noise_differential --stagger --server-args "$COMMON" --candidates ${ND_CANDIDATES:-fp32,int8,bf16,upstream} \
     --corrupt int8 --requests ${ND_REQUESTS:-64} --max-new-tokens 16 --system-len 512,2048 --user-len 16,256 --batch-size 8 \
     --out "$RES/default" --log-dir "$RES/logs" --quiet
   echo "noise_differential exit $?"
@@ -87,7 +88,7 @@ differential)
 ab)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16"
   if [ -n "${AB_SMALL:-}" ]; then
-    timeout 190 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+    timeout 190 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
       --extra-server-args "$COMMON" \
       --gsp-groups 3 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
       --gsp-concurrency 6 --mt-conversations 6 --mt-turns 3 --mt-system-len 1024 --mt-first-len 1024 \
@@ -96,7 +97,7 @@ ab)
     echo "live_ab exit $?"
     pkill -f sglang_k3.launch_server; sleep 2
   else
-  timeout 270 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+  timeout 270 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
     --extra-server-args "$COMMON" \
     --gsp-groups 4 --gsp-prompts-per-group 8 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
     --gsp-concurrency 8 --mt-conversations 8 --mt-turns 4 --mt-system-len 1024 --mt-first-len 1024 \
@@ -106,7 +107,7 @@ ab)
   pkill -f sglang_k3.launch_server; sleep 2
   # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and upstream's
   # KV + state pools hold the same bytes), well under what the workloads' prefixes need
-  timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational \
+  timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
     --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
     --k3-server-args "--k3-host-tier-gib 2" \
     --workloads multiturn,gsp --gsp-groups 8 --gsp-prompts-per-group 4 --gsp-system-len 2048 \

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="record greedy mismatches between the caches without failing the run (bf16 on a GPU, where "
         "two cache-off servers already disagree; benchmarks.noise_differential is the check there)",
     )
+    g.add_argument(
+        "--time-cache",
+        action="store_true",
+        help="measure each cache's CPU time per scheduling step inside its server (benchmarks/live/cache_timing.py: "
+        "every public method of the scheduler's tree_cache, outermost calls, thread CPU time, over run_batch calls); "
+        "recorded per workload as cache_time",
+    )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
         "--out",
@@ -313,6 +320,13 @@ def print_table(records: list, ratios: list, greedy: dict) -> None:
                 f"{w:<10} {'k3/up':<9} {fmt(q['hit_rate'], '.2f'):>8} {fmt(q['ttft_p50_s'], '.2f'):>9} "
                 f"{fmt(q['ttft_p90_s'], '.2f'):>9} {fmt(q['output_tok_per_s'], '.2f'):>11} "
                 f"{fmt(q['prefill_tokens'], '.2f'):>12}"
+            )
+    for r in records:
+        t = r.get("cache_time")
+        if t and t["cache_cpu_ms_per_step"] is not None:
+            print(
+                f"cache CPU time {r['workload']:<10} {r['cache']:<9} {t['cache_cpu_ms_per_step']:.3f} ms/step over "
+                f"{t['steps']} steps ({t['cache_calls']} calls)"
             )
     for w, g in greedy.items():
         print(
@@ -510,8 +524,25 @@ def main(argv=None) -> int:
     if args.pressure:
         say("trying upstream with --enable-unified-memory under the same budget:")
         upstream_unified = try_upstream_unified(args, Server, ServerStartError, log_dir, say)
+    timing_dirs = {c: os.path.join(log_dir, f"cache_timing_{c}_{os.getpid()}") for c in args.caches}
+
+    def timing_env(c):
+        if not args.time_cache:
+            return None
+        from benchmarks.live import cache_timing
+
+        path = cache_timing.SITE_DIR + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+        return {"PYTHONPATH": path, cache_timing.ENV: timing_dirs[c]}
+
     servers = {
-        c: Server(c, server_args(args, c), start_timeout=args.start_timeout, log_dir=log_dir, log_prefix="live_ab")
+        c: Server(
+            c,
+            server_args(args, c),
+            start_timeout=args.start_timeout,
+            log_dir=log_dir,
+            log_prefix="live_ab",
+            env=timing_env(c),
+        )
         for c in args.caches
     }
     records, outputs = [], {c: {} for c in args.caches}
@@ -532,10 +563,18 @@ def main(argv=None) -> int:
                 s = servers[c]
                 s.flush_cache()
                 say(f"[{w}] on {c} ({s.url})")
+                if args.time_cache:
+                    from benchmarks.live import cache_timing
+
+                    time.sleep(2 * cache_timing.WRITE_EVERY_S)  # the flush is in the snapshot
+                    before = cache_timing.read(timing_dirs[c])
                 t0 = time.time()
                 peak = RunningPeak(s.url) if args.pressure else contextlib.nullcontext()
                 with peak:
                     m, out = run_one(w, s, c)
+                if args.time_cache:
+                    time.sleep(2 * cache_timing.WRITE_EVERY_S)
+                    m["cache_time"] = cache_timing.per_step(before, cache_timing.read(timing_dirs[c]))
                 if args.pressure:
                     m["running_peak"] = peak.peak
                 if c == "k3":

@@ -189,7 +189,16 @@ SMALL = [
 
 def test_live_ab_end_to_end(tmp_path):
     out = tmp_path / "out"
-    args = ["--out", str(out), "--log-dir", str(tmp_path / "logs"), "--caches", "k3,upstream,off", *SMALL]
+    args = [
+        "--out",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--caches",
+        "k3,upstream,off",
+        "--time-cache",
+        *SMALL,
+    ]
     k3_args = _k3_fp32_args()
     if k3_args:
         args += ["--k3-server-args", k3_args]
@@ -217,6 +226,10 @@ def test_live_ab_end_to_end(tmp_path):
         assert math.isclose(rec["output_tok_per_s"], rec["output_tokens"] / rec["duration_s"])
         assert 0 < rec["ttft_p50_s"] <= rec["ttft_p90_s"]
         assert rec["output_tokens"] > 0
+        # the cache timer ran inside each server: every workload took scheduling steps and cache calls
+        t = rec["cache_time"]
+        assert t["steps"] > 0 and t["cache_calls"] > 0 and t["cache_cpu_ms_per_step"] > 0, (w, c, t)
+        assert t["cache_cpu_s"] * 1e3 >= sum(t["top_methods_cpu_ms"].values()) * 0.999
     # ratios are k3 / upstream of the measured numbers
     assert {q["workload"] for q in res["ratios"]} == set(workloads)
     for q in res["ratios"]:

@@ -56,11 +56,18 @@ def test_mann_whitney_matches_scipy():
     assert nd.mann_whitney_greater([math.inf] * 5, [0.1, 0.2, 0.3, 0.4, 0.5]) < 0.01
 
 
+def test_a_requests_floor_adds_its_two_noises():
+    split = [{"key": "a", "drift": 1e-3}, {"key": "b", "drift": 0.0}]
+    batch = [{"key": "b", "drift": 2e-3}, {"key": "a", "drift": 5e-4}]
+    assert nd.request_floors(split, batch) == pytest.approx([1.5e-3, 2e-3])
+
+
 def test_judge_flags_what_noise_cannot_reach():
     floor = [1e-3, 2e-3, 5e-3, 1e-3]
     ok = nd.judge([("a", 4e-3), ("b", 1.9e-2)], floor)
-    assert ok["within_floor"] and ok["tau"] == 5e-3 and ok["flag_limit"] == pytest.approx(2e-2)
+    assert ok["within_floor"] and ok["tau"] == 5e-3 and ok["flag_limit"] == pytest.approx(5e-3 * nd.FLAG_FACTOR)
     bad = nd.judge([("a", 4e-3), ("b", 0.3), ("c", math.inf)], floor)
+    assert nd.FLAG_FACTOR * 5e-3 < 0.3
     assert not bad["within_floor"] and bad["flagged"] == ["b", "c"]
     assert not nd.judge([], floor)["within_floor"]  # nothing restored: nothing shown
     with pytest.raises(ValueError):
@@ -140,7 +147,10 @@ def test_a_corrupted_restore_is_flagged_and_exact_ones_are_not(server_factory, t
     conds = res["conditions"]
     assert list(conds) == [nd.SPLIT, nd.BATCH, "fp32", "fp32_corrupt"]
     floor = res["floor"]
-    assert floor["n"] == 32 and 0 < floor["tau"] < 1e-3  # fp32 on CPU: tiny, but measured
+    assert floor["n"] == 16 and 0 < floor["tau"] < 1e-3  # fp32 on CPU: tiny, but measured
+    split = {d["key"]: d["drift"] for d in conds[nd.SPLIT]["requests"]}
+    batch = {d["key"]: d["drift"] for d in conds[nd.BATCH]["requests"]}
+    assert floor["tau"] == max(split[k] + batch[k] for k in split)
     for name in ("fp32", "fp32_corrupt"):
         v = res["verdicts"][name]
         assert v["tau"] == floor["tau"] and v["restored_requests"] >= 5, v

@@ -1,0 +1,215 @@
+"""The cache's CPU time per scheduling step, measured inside a live server, for any cache.
+
+``benchmarks.live_ab --time-cache`` starts its servers with ``cache_timing_site/`` first on
+``PYTHONPATH`` and ``SGLANG_K3_CACHE_TIMING_DIR`` set. Python imports that folder's
+``sitecustomize`` in every interpreter; there it calls :func:`install`, which waits for SGLang's
+scheduler module to be imported (a post-import hook, so nothing is imported earlier than SGLang
+itself would) and then:
+
+* wraps every public method of the scheduler's ``tree_cache`` object, whatever its class (k3's
+  ``K3RadixCache``, upstream's ``UnifiedRadixCache``), counting the calling thread's CPU time
+  (``time.thread_time_ns``) and wall time of the outermost call only (a method calling another
+  counts once);
+* counts scheduling steps (``Scheduler.run_batch`` calls);
+* every quarter second (a daemon thread), and at exit, writes ``{pid, steps, calls, cpu_ns, wall_ns,
+  by_method}`` to ``SGLANG_K3_CACHE_TIMING_DIR/scheduler_<pid>.json`` (written whole, then renamed).
+
+:func:`read` sums the files of one server; the A/B takes the difference across a workload.
+Nothing in ``sglang_k3`` knows about this module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+ENV = "SGLANG_K3_CACHE_TIMING_DIR"
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_timing_site")
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+WRITE_EVERY_S = 0.25
+
+
+class _Totals:
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, f"scheduler_{os.getpid()}.json")
+        self.steps = 0
+        self.calls = 0
+        self.cpu_ns = 0
+        self.wall_ns = 0
+        self.by_method: dict[str, list[int]] = {}  # name -> [calls, cpu_ns]
+        self.depth = threading.local()
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(
+                {
+                    "pid": os.getpid(),
+                    "steps": self.steps,
+                    "calls": self.calls,
+                    "cpu_ns": self.cpu_ns,
+                    "wall_ns": self.wall_ns,
+                    "by_method": {k: list(v) for k, v in list(self.by_method.items())},
+                },
+                f,
+            )
+        os.replace(tmp, self.path)
+
+
+def _timed(totals: _Totals, name: str, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        d = getattr(totals.depth, "n", 0)
+        if d:
+            return fn(*args, **kwargs)
+        totals.depth.n = 1
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            cpu = time.thread_time_ns() - c0
+            totals.depth.n = 0
+            totals.calls += 1
+            totals.cpu_ns += cpu
+            totals.wall_ns += time.perf_counter_ns() - w0
+            m = totals.by_method.setdefault(name, [0, 0])
+            m[0] += 1
+            m[1] += cpu
+
+    return wrapper
+
+
+def wrap_cache(cache: object, totals: _Totals) -> int:
+    """Wrap the public bound methods of ``cache`` in place; returns how many."""
+    n = 0
+    for name in dir(type(cache)):
+        if name.startswith("_"):
+            continue
+        attr = getattr(type(cache), name, None)
+        if not callable(attr) or isinstance(attr, (staticmethod, classmethod, type)):
+            continue
+        try:
+            bound = getattr(cache, name)
+        except Exception:  # noqa: BLE001 - a property that raises: not a method
+            continue
+        if callable(bound):
+            setattr(cache, name, _timed(totals, name, bound))
+            n += 1
+    return n
+
+
+def _patch_scheduler(module, out_dir: str) -> None:
+    cls = module.Scheduler
+    init, run_batch = cls.__init__, cls.run_batch
+    totals = _Totals(out_dir)
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        n = wrap_cache(self.tree_cache, totals)
+        print(f"[cache timing] {type(self.tree_cache).__name__}: {n} methods timed -> {totals.path}", file=sys.stderr)
+        totals.write()
+        atexit.register(totals.write)
+
+        def writer() -> None:
+            while True:
+                time.sleep(WRITE_EVERY_S)
+                try:
+                    totals.write()
+                except OSError:
+                    return
+
+        threading.Thread(target=writer, name="cache-timing", daemon=True).start()
+
+    def run_batch_counted(self, *args, **kwargs):
+        totals.steps += 1
+        return run_batch(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    cls.run_batch = run_batch_counted
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``callback(module)`` once ``name`` has been imported the normal way."""
+
+    def __init__(self, name: str, callback: Callable):
+        self.name, self.callback, self._spec = name, callback, None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name or self._spec is not None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        self._spec = spec
+        real = spec.loader
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self_inner, s):
+                return real.create_module(s)
+
+            def exec_module(self_inner, module):
+                real.exec_module(module)
+                self.callback(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def install() -> None:
+    out_dir = os.environ.get(ENV)
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    sys.meta_path.insert(0, _AfterImport(SCHEDULER_MODULE, lambda m: _patch_scheduler(m, out_dir)))
+
+
+def read(out_dir: str) -> dict:
+    """The sums over a server's scheduler files (``{}`` keys zero when none was written yet)."""
+    tot = {"steps": 0, "calls": 0, "cpu_ns": 0, "wall_ns": 0, "by_method": {}}
+    if not os.path.isdir(out_dir):
+        return tot
+    for name in sorted(os.listdir(out_dir)):
+        if not (name.startswith("scheduler_") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(out_dir, name)) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            continue
+        for k in ("steps", "calls", "cpu_ns", "wall_ns"):
+            tot[k] += int(d.get(k, 0))
+        for m, (c, ns) in d.get("by_method", {}).items():
+            cur = tot["by_method"].setdefault(m, [0, 0])
+            cur[0] += c
+            cur[1] += ns
+    return tot
+
+
+def per_step(before: dict, after: dict) -> dict:
+    """The cache's time per scheduling step between two :func:`read` snapshots."""
+    steps = after["steps"] - before["steps"]
+    cpu = after["cpu_ns"] - before["cpu_ns"]
+    wall = after["wall_ns"] - before["wall_ns"]
+    methods = {
+        m: [c - before["by_method"].get(m, [0, 0])[0], ns - before["by_method"].get(m, [0, 0])[1]]
+        for m, (c, ns) in after["by_method"].items()
+    }
+    top = sorted(((ns, m, c) for m, (c, ns) in methods.items() if c), reverse=True)[:6]
+    return {
+        "steps": steps,
+        "cache_calls": after["calls"] - before["calls"],
+        "cache_cpu_ms_per_step": (cpu / steps / 1e6) if steps else None,
+        "cache_wall_ms_per_step": (wall / steps / 1e6) if steps else None,
+        "cache_cpu_s": cpu / 1e9,
+        "top_methods_cpu_ms": {m: ns / 1e6 for ns, m, _c in top},
+    }
