@@ -5,7 +5,8 @@ two cache-off servers that differ only in how they split a prefill already disag
 quarter of greedy continuations of a random-weight model. So this harness measures that noise in the
 same run and judges the cache against it.
 
-Servers (all started at once; each waits idle, ``--sleep-on-idle``, until its turn):
+Servers (started at once, or with ``--stagger`` the reference first; each waits idle,
+``--sleep-on-idle``, until its turn):
 
 * ``reference``: cache off (``--disable-radix-cache``);
 * ``split``: cache off, ``--chunked-prefill-size SPLIT`` (another prefill split);
@@ -33,9 +34,9 @@ request meets both noises at once (its prefix was computed inside another reques
 suffix in an extend of its own), so a request's floor is its split drift plus its batch drift, and
 ``tau`` is the largest floor of the run. A candidate is **within the floor** when none of its
 restored requests drifts more than ``FLAG_FACTOR * tau``, an order of magnitude beyond what noise
-alone reached (such a request is *flagged*). Whether its restored drifts as a whole sit above the floor's
-(one-sided Mann-Whitney U, p < ``MW_ALPHA``) is reported beside it. Greedy flips over the whole reply are also
-sorted by the reference's top-2 margin (:func:`benchmarks.checkpoint_flips.aggregate`), so a
+alone reached (such a request is *flagged*). Whether its restored drifts as a whole sit above the
+floor's (one-sided Mann-Whitney U, p < ``MW_ALPHA``) is reported beside it. Greedy flips over the
+whole reply are also sorted by the reference's top-2 margin (:func:`benchmarks.checkpoint_flips.aggregate`), so a
 quantized checkpoint's excess over the floor shows per margin bucket.
 
 Writes ``OUT/results.json`` and ``OUT/noise_differential.png``. Exit status: 0 ok; 1 a server failed;
