@@ -329,6 +329,8 @@ def print_table(records: list, ratios: list, greedy: dict) -> None:
                 f"{t['steps']} steps ({t['cache_calls']} calls)"
             )
     for w, g in greedy.items():
+        for c, x in g.get("against_off", {}).items():
+            print(f"greedy {w}: {c} against cache off: {x['mismatches']} mismatches of {x['compared']}")
         print(
             f"greedy {w}: {g['mismatches']} mismatches of {g['compared']} requests compared"
             + (f", {g['missing']} missing on one side" if g["missing"] else "")
@@ -606,6 +608,12 @@ def main(argv=None) -> int:
             {k: v for k, v in outputs["upstream"].items() if k.startswith(pre)},
         )
         g["compares"] = "generated text (bench_serving returns no ids)" if w == "gsp" else "greedy output token ids"
+        if "off" in outputs:  # the cache-off server is the oracle both caches answer to
+            off = {k: v for k, v in outputs["off"].items() if k.startswith(pre)}
+            g["against_off"] = {
+                c: compare_outputs({k: v for k, v in outputs[c].items() if k.startswith(pre)}, off)
+                for c in ("k3", "upstream")
+            }
         greedy[w] = g
     ratios = compute_ratios(records)
     runtime = time.time() - t_start
@@ -673,7 +681,12 @@ def main(argv=None) -> int:
     if failure is not None:
         print(f"error: the run stopped early: {failure.splitlines()[0]}", file=sys.stderr)
         return 1
-    bad = [w for w in ("multiturn", "trace") if w in greedy and (greedy[w]["mismatches"] or greedy[w]["missing"])]
+
+    def differs(g: dict) -> bool:
+        pairs = [g, *g.get("against_off", {}).values()]
+        return any(x["mismatches"] or x["missing"] for x in pairs)
+
+    bad = [w for w in ("multiturn", "trace") if w in greedy and differs(greedy[w])]
     errs = sum(r["errors"] for r in records)
     if (bad and not args.greedy_informational) or errs:
         print(f"WARNING: greedy mismatches on {bad or 'none'}; {errs} failed requests", file=sys.stderr)

@@ -245,10 +245,13 @@ def test_live_ab_end_to_end(tmp_path):
         for c, r in (("k3", k), ("upstream", u)):
             want = r["prefill_tokens"] / o["prefill_tokens"]
             assert math.isclose(q["against_off"][c]["prefill_tokens"], want), (q["workload"], c)
-    # the oracle: same greedy tokens with either cache
+    # the oracle: same greedy tokens with either cache, and as the cache-off server's
     for w in workloads[1:]:
         g = res["greedy"][w]
         assert g["compared"] == expected_requests[w] and g["mismatches"] == 0 and g["missing"] == 0, g
+        for c in ("k3", "upstream"):
+            x = g["against_off"][c]
+            assert x["compared"] == expected_requests[w] and x["mismatches"] == 0 and x["missing"] == 0, (w, c, x)
     # turns extend the previous turn, so the multi-turn workload must hit; k3 at least as much as upstream
     assert by[("multiturn", "k3")]["hit_rate"] > 0
     assert by[("multiturn", "k3")]["hit_rate"] >= by[("multiturn", "upstream")]["hit_rate"]
