@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from cpu_pools import unified_k3_cache_on_cpu
+from cpu_pools import hybrid_pool, unified_k3_cache_on_cpu
 
 from sglang_k3.config import K3Config
 from sglang_k3.integration.unified_memory import UnifiedConfigError, plan
@@ -220,3 +220,48 @@ def test_the_active_reserve_is_sglangs_rows_within_its_state_pool():
     size = int(pool.size)
     assert plan(K3Config(), kv.full_kv_pool, pool, max_running=2)[0].active_reserve == min(size, 2)
     assert plan(K3Config(), kv.full_kv_pool, pool, max_running=100)[0].active_reserve == size
+
+
+def test_install_drops_what_the_state_pool_cached_from_its_old_tensors():
+    """SGLang's ``MambaPool`` caches, from the tensors it built, whether its fused conv-slot kernels
+    may run and their pointer table (``functools.cached_property``, computed in its constructor on
+    CUDA). The swap to unified views must drop those values, or every slot clear writes at the
+    freed tensor's address (on the H200: an illegal memory access at the first request). Here the
+    flag is computed on the CPU pool before the swap, as the GPU constructor does."""
+    import functools
+
+    import torch
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    from sglang_k3.integration.unified_memory import install
+
+    cached = [n for n, a in vars(MambaPool).items() if isinstance(a, functools.cached_property)]
+    assert "_conv_fuse_ok" in cached and "_conv_slot_desc" in cached  # what upstream 0.5.23 caches
+    rtp = hybrid_pool([0, 2, 3], heads=2, head_dim=16, conv_kernel=4, mamba_size=6, size=4)
+    pool = rtp.mamba_pool
+    old_conv = pool.mamba_cache.conv[0]
+    assert pool._conv_fuse_ok is False  # CPU: computed (and cached) from the old tensors
+    pool.__dict__["_conv_slot_desc"] = ("descriptor of", old_conv.data_ptr())  # as the CUDA warm-up leaves it
+    kv = HybridLinearKVPool(
+        size=400,
+        dtype=torch.float32,
+        page_size=1,
+        head_num=1,
+        head_dim=48,
+        full_attention_layer_ids=[1],
+        device="cpu",
+        mamba_pool=pool,
+        use_mla=True,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+    )
+    alloc = TokenToKVPoolAllocator(size=400, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    assert install(K3Config(), rtp, kv, alloc) is not None
+    assert pool.mamba_cache.conv[0].data_ptr() != old_conv.data_ptr()
+    assert not any(n in pool.__dict__ for n in cached)  # recomputed from the views on next use
+    # and SGLang's clear runs on the views, zeroing exactly the slot asked for
+    conv = pool.mamba_cache.conv[0]
+    conv.fill_(1.0)
+    pool.clear_slots(torch.tensor([1]))
+    assert conv[:, 1].abs().sum() == 0 and conv[:, 0].abs().sum() > 0

@@ -24,6 +24,7 @@ What SGLang sees (``docs/sglang_cache_contract.md`` §1h for the checks these ke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -272,6 +273,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         mamba_pool.mamba_cache, temporal=temporal, conv=[] if conv is None else [conv]
     )
     mamba_pool.size = ledger.active_reserve
+    drop_cached_views(mamba_pool)
     slots = UnifiedSlotAllocator(ledger, device=temporal.device)
     req_to_token_pool.mamba_allocator = slots
     new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
@@ -291,6 +293,28 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         ledger.active_reserve,
     )
     return new_alloc
+
+
+def drop_cached_views(pool) -> list[str]:
+    """Forget every ``functools.cached_property`` value ``pool`` computed from the tensors it held
+    before :func:`install` replaced them; each is recomputed from the views on its next use.
+    Returns the names dropped.
+
+    SGLang's ``MambaPool`` warms its fused conv-slot kernels in its constructor and caches, per
+    instance, whether they may run (``_conv_fuse_ok``: contiguous bf16 conv) and their table of base
+    pointers and strides (``_conv_slot_desc``). Kept after the swap, both describe the conv tensor
+    just freed: on the H200 every new request's slot clear (``clear_slots``) then wrote zeros at the
+    old pointer, which raised an illegal memory access at the first request when that memory had
+    been returned to the driver (``--mem-fraction-static 0.12``, no ``--max-total-tokens``), and
+    otherwise wrote into whatever reused it. Recomputed, ``_conv_fuse_ok`` is False on the unified
+    conv view (strided, not contiguous), and SGLang clears with ``index_fill_`` on the view."""
+    dropped = []
+    for klass in type(pool).__mro__:
+        for name, attr in vars(klass).items():
+            if isinstance(attr, functools.cached_property) and name in pool.__dict__:
+                del pool.__dict__[name]
+                dropped.append(name)
+    return dropped
 
 
 def checkpoint_buffers(um: UnifiedMemory):
