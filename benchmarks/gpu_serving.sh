@@ -16,12 +16,18 @@
 #                 judged against the bf16 noise floor of the same run, plus a deliberately corrupted
 #                 int8 restore (--stagger: the reference first, so the rest find its Triton kernels).
 #   ab            benchmarks.live_ab with three servers (k3 at its defaults, upstream at its real
-#                 default: extra_buffer, overlap on, its Python tree core; cache off), prompts of a
-#                 few thousand tokens, each cache's CPU time per scheduling step (--time-cache);
-#                 then the same under a small, equal memory budget with k3's host tier on (pinned
-#                 host buffers of 2 GiB); then the noise floor under --enable-deterministic-inference.
+#                 default: extra_buffer, overlap on, its Python tree core; cache off): multi-turn
+#                 conversations of a few thousand tokens that branch at their third turn, and the
+#                 trace slice; each cache's CPU time per scheduling step (--time-cache); then the
+#                 multi-turn under a small, equal memory budget with k3's host tier on (2 GiB).
+#   det           the noise differential again (fp32, int8) with every server under SGLang's
+#                 --enable-deterministic-inference: does it run with these backends, does the floor shrink?
+#   probe         benchmarks.gpu_probe: which of several server configurations serve a small batched
+#                 multi-turn workload, each alone, with CUDA_LAUNCH_BLOCKING=1 (PROBE_CONFIGS).
+# Each phase keeps its own harness timeouts under the device's 600 s per call (ND_TIMEOUT for the
+# differentials), so that the archive is always written.
 set -u
-PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab}
+PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe}
 OUT=${OUT:?OUT must name the output folder (the device sets it)}
 # results gather here and come back as one archive, $OUT/PHASE.tar.gz (the device returns 8 files)
 RES=/tmp/res/$PHASE
@@ -74,7 +80,8 @@ all)
   mkdir -p /tmp/inner
   (cd "$REPO" && ND_REQUESTS=40 ND_CANDIDATES=fp32,int8,upstream ND_TIMEOUT=230 OUT=/tmp/inner \
     bash benchmarks/gpu_serving.sh differential)
-  (cd "$REPO" && AB_SMALL=1 OUT=/tmp/inner bash benchmarks/gpu_serving.sh ab)
+  (cd "$REPO" && AB_CONVERSATIONS=6 AB_TRACE_REQUESTS=24 AB_TIMEOUT=190 AB_NO_PRESSURE=1 OUT=/tmp/inner \
+    bash benchmarks/gpu_serving.sh ab)
   mv /tmp/res/differential /tmp/res/ab "$RES"/
   ;;
 differential)
@@ -87,44 +94,52 @@ differential)
   ;;
 ab)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16"
-  if [ -n "${AB_SMALL:-}" ]; then
-    timeout 190 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
-      --extra-server-args "$COMMON" \
-      --gsp-groups 3 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
-      --gsp-concurrency 6 --mt-conversations 6 --mt-turns 3 --mt-system-len 1024 --mt-first-len 1024 \
-      --mt-user-len 256 --mt-reply-len 32 --trace "$TRACE" --trace-requests 24 --trace-window 3000 --workloads multiturn,trace,gsp --trace-scale 4 \
-      --trace-max-output 32 --trace-concurrency 6 --out "$RES/default" --log-dir "$RES/logs" --quiet
-    echo "live_ab exit $?"
-    pkill -f sglang_k3.launch_server; sleep 2
-  else
-  timeout 270 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
-    --extra-server-args "$COMMON" \
-    --gsp-groups 4 --gsp-prompts-per-group 8 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 \
-    --gsp-concurrency 8 --mt-conversations 8 --mt-turns 4 --mt-system-len 1024 --mt-first-len 1024 \
-    --mt-user-len 256 --mt-reply-len 32 --trace "$TRACE" --trace-requests 48 --trace-window 3000 --workloads multiturn,trace,gsp --trace-scale 4 \
+  # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
+  # multiturn (conversations that branch at their third turn) and the trace slice only.
+  # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run.
+  MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
+  timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
+    --greedy-informational --time-cache --extra-server-args "$COMMON" --workloads multiturn,trace \
+    $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
+    --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
     --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
   echo "live_ab exit $?"
   pkill -f sglang_k3.launch_server; sleep 2
-  # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and upstream's
-  # KV + state pools hold the same bytes), well under what the workloads' prefixes need
-  timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off --greedy-informational --time-cache \
-    --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
-    --k3-server-args "--k3-host-tier-gib 2" \
-    --workloads multiturn,gsp --gsp-groups 8 --gsp-prompts-per-group 4 --gsp-system-len 2048 \
-    --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 4 --mt-conversations 12 --mt-turns 4 \
-    --mt-system-len 512 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32 \
-    --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
-  echo "live_ab (pressure) exit $?"
-  pkill -f sglang_k3.launch_server; sleep 2
-  # SGLang's deterministic-inference mode: does it run with these backends, and does the floor shrink?
-  timeout 110 python3 -m benchmarks.noise_differential --server-args "--model-path $MODEL $COMMON --enable-deterministic-inference" \
-    --candidates fp32,int8 --requests 48 --max-new-tokens 8 --system-len 512,2048 --user-len 16,256 \
-    --out "$RES/deterministic" --log-dir "$RES/logs_det" --quiet --start-timeout 90
-  echo "noise_differential --enable-deterministic-inference exit $?"
+  if [ -z "${AB_NO_PRESSURE:-}" ]; then
+    # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and
+    # upstream's KV + state pools hold the same bytes), well under what the prefixes need
+    timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
+      --greedy-informational --time-cache --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
+      --k3-server-args "--k3-host-tier-gib 2" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
+      --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
+    echo "live_ab (pressure) exit $?"
+    pkill -f sglang_k3.launch_server; sleep 2
   fi
   ;;
+det)
+  # SGLang's deterministic-inference mode: does it run with these backends, and does the floor shrink?
+  COMMON="$KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
+  timeout ${ND_TIMEOUT:-420} python3 -m benchmarks.noise_differential --stagger \
+    --server-args "--model-path $MODEL $COMMON --enable-deterministic-inference" \
+    --candidates fp32,int8 --corrupt fp32 --requests ${ND_REQUESTS:-48} --max-new-tokens 16 --system-len 512,2048 \
+    --user-len 16,256 --batch-size 8 --out "$RES/deterministic" --log-dir "$RES/logs" --quiet
+  echo "noise_differential --enable-deterministic-inference exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  ;;
+probe)
+  # which configurations serve: each started alone, a batch of 2k-token first turns and a second
+  # turn each (benchmarks.gpu_probe); PROBE_CONFIGS overrides the list (NAME=ARGS;NAME=ARGS...)
+  COMMON="--model-path $MODEL $KERNELS --max-running-requests 16"
+  CONFIGS=${PROBE_CONFIGS:-"ab_default=--mem-fraction-static 0.12;fixed_pools=--mem-fraction-static 0.12 --k3-no-unified-memory;tokens_64k=--mem-fraction-static 0.12 --max-total-tokens 65536;states_64=--mem-fraction-static 0.12 --max-mamba-cache-size 64;differential=--mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64"}
+  PARGS=()
+  IFS=';' read -ra PARTS <<< "$CONFIGS"
+  for c in "${PARTS[@]}"; do PARGS+=(--config "$c" --env "${c%%=*}:CUDA_LAUNCH_BLOCKING=1"); done
+  timeout ${PROBE_TIMEOUT:-480} python3 -m benchmarks.gpu_probe --server-args "$COMMON" "${PARGS[@]}" --out "$RES/logs"
+  echo "gpu_probe exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  ;;
 *)
-  echo "unknown phase $PHASE (all, differential, ab)"
+  echo "unknown phase $PHASE (all, differential, ab, det, probe)"
   exit 2
   ;;
 esac

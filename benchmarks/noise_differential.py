@@ -355,7 +355,10 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.3, 1.7]})
     ax = axes[0]
     tau = result["floor"]["tau"]
-    floor_max = max(tau, 1e-12)
+    # an infinite tau (a request's top-1 left the other side's top-k) cannot set a log scale: the
+    # largest finite floor drift does, and the lines say so
+    finite = [d["drift"] for n in (SPLIT, BATCH) for d in conds[n]["requests"] if math.isfinite(d["drift"])]
+    floor_max = max(tau if math.isfinite(tau) else max(finite, default=1.0), 1e-12)
     for x, n in enumerate(names):
         c = conds[n]
         is_floor = n in (SPLIT, BATCH)
@@ -366,8 +369,12 @@ def plot(result: dict, path: str) -> None:
         ax.scatter(
             [x + jit.uniform(-0.25, 0.25) for _ in shown], shown, s=9, color="#7f7f7f" if is_floor else "#1f77b4"
         )
-    ax.axhline(floor_max, color="black", lw=1, ls="--", label=f"tau = largest split + batch drift ({tau:.2e})")
-    ax.axhline(FLAG_FACTOR * floor_max, color="#d62728", lw=1, ls=":", label=f"flag limit ({FLAG_FACTOR:g} tau)")
+    if math.isfinite(tau):
+        ax.axhline(floor_max, color="black", lw=1, ls="--", label=f"tau = largest split + batch drift ({tau:.2e})")
+        ax.axhline(FLAG_FACTOR * floor_max, color="#d62728", lw=1, ls=":", label=f"flag limit ({FLAG_FACTOR:g} tau)")
+    else:
+        label = f"largest finite floor drift ({floor_max:.2e}); tau = inf"
+        ax.axhline(floor_max, color="black", lw=1, ls="--", label=label)
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=20, fontsize=8)
@@ -393,6 +400,10 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+class _Stopped(Exception):
+    """A driver's SIGTERM (its ``timeout``): stop the servers, keep the conditions that finished."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -400,7 +411,10 @@ def main(argv=None) -> int:
 
     # a `timeout` or Ctrl-C from a driver stops the servers this run started on the way out (the
     # finally below), not only the harness: servers left behind hold GPU memory for the next run
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    def _stop(*_):
+        raise _Stopped("stopped by SIGTERM")
+
+    signal.signal(signal.SIGTERM, _stop)
     from benchmarks import live_ab
     from benchmarks.live import workloads as wl
     from benchmarks.live.server import Server, ServerStartError
@@ -505,12 +519,20 @@ def main(argv=None) -> int:
             timings[f"{n}_s"] = time.time() - t0
             if n not in args.urls:
                 servers[n].stop()  # frees its memory for the next
-    except (ServerStartError, RuntimeError, OSError) as e:
+    except (ServerStartError, RuntimeError, OSError, _Stopped) as e:
+        # what finished is kept: a condition is judged only against a floor measured in this run
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    else:
+        failure = None
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for s in started:
             s.stop()
+    if SPLIT not in conds or BATCH not in conds:
+        if failure:
+            print("error: the noise floor was not measured; nothing written", file=sys.stderr)
+        return 124 if failure and failure.startswith("_Stopped") else 1
 
     floor = request_floors(conds[SPLIT]["requests"], conds[BATCH]["requests"])
     verdicts = {}
@@ -527,6 +549,7 @@ def main(argv=None) -> int:
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "python -m benchmarks.noise_differential " + shlex.join(sys.argv[1:] if argv is None else argv),
         "runtime_s": runtime,
+        "partial": failure,
         "timings_s": timings,
         "machine": live_ab.machine_info(),
         "git": live_ab.git_info(),
@@ -589,6 +612,10 @@ def main(argv=None) -> int:
             f"{n:<14} {d['n']:>8} {fmt(d['p50']):>10} {fmt(d['p90']):>10} {fmt(d['max']):>10} {g['flips']:>6} {verdict}"
         )
     print(f"wrote {os.path.join(args.out, 'results.json')} in {runtime:.0f}s", flush=True)
+    if failure:
+        missing = [n for n in [*args.candidates, *([corrupt_name(args)] if args.corrupt else [])] if n not in conds]
+        print(f"error: partial results ({failure}); not measured: {', '.join(missing)}", file=sys.stderr)
+        return 124 if failure.startswith("_Stopped") else 1
     bad = []
     if "fp32" in verdicts and not verdicts["fp32"]["within_floor"]:
         bad.append("fp32 checkpoints are not within the floor")
