@@ -57,7 +57,12 @@ def test_tier_ab_end_to_end(tmp_path):
     assert host["tiers"]["tier_host_hits"] > 0 and host["metrics"]["hit_rate"] > dev["metrics"]["hit_rate"]
     assert both["tiers"]["tier_l3_hits"] > 0  # the 4 MiB host tier overflows; Mooncake keeps the rest
     assert both["metrics"]["hit_rate"] >= host["metrics"]["hit_rate"]
+    # The device alone may serve nothing here (0 in CI at 4de5f38, 0.160 on a 2-core run before): the
+    # ratio is then undefined, and the driver writes None rather than dividing by zero.
     r = res["ratios_over_device"]["host"]["hit_rate"]
-    assert r == pytest.approx(host["metrics"]["hit_rate"] / dev["metrics"]["hit_rate"])
+    if dev["metrics"]["hit_rate"] > 0:
+        assert r == pytest.approx(host["metrics"]["hit_rate"] / dev["metrics"]["hit_rate"])
+    else:
+        assert r is None
     for g in res["greedy_vs_device"].values():
         assert g["compared"] == 18 and g["mismatches"] == []
