@@ -93,6 +93,7 @@ def ratios(records: list[dict]) -> list[dict]:
         best = max(PEERS, key=lambda p: at[p]["hit_rate"])
         k3, peer, fa = at["k3"]["hit_rate"], at[best]["hit_rate"], at["fa-budget"]["hit_rate"]
         rules = at["k3-rules"]["hit_rate"] if "k3-rules" in at else None
+        eager = at["k3-eager"]["hit_rate"] if "k3-eager" in at else None
         need = 1.05 if fa and peer < 0.9 * fa else 1.0
         ratio = k3 / peer if peer else float("inf")
         out.append(
@@ -103,6 +104,7 @@ def ratios(records: list[dict]) -> list[dict]:
                 k3=k3,
                 k3_checkpoint_gib=at["k3"]["checkpoint_bytes"] / trace_replay.GiB,
                 k3_rules=rules,
+                k3_eager=eager,
                 oracle_fraction=at["k3"]["oracle_fraction"],
                 best_peer=best,
                 best_peer_hit=peer,
@@ -118,14 +120,16 @@ def ratios(records: list[dict]) -> list[dict]:
 
 def table(rows: list[dict], tiers: list[dict]) -> str:
     lines = [
-        "| member | chunk | GiB | k3 (ckpt GiB) | k3-rules | best peer (ckpt GiB) | k3 / best | target | fa-budget |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| member | chunk | GiB | k3 (ckpt GiB) | k3-rules | k3-eager | best peer (ckpt GiB) | k3 / best | target "
+        "| fa-budget |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rules = "-" if r["k3_rules"] is None else f"{r['k3_rules']:.3f}"
+        eager = "-" if r.get("k3_eager") is None else f"{r['k3_eager']:.3f}"
         lines.append(
             f"| {r['member']} | {r['chunked_prefill_size']} | {r['budget_gib']:g} | {r['k3']:.3f} "
-            f"({r['k3_checkpoint_gib']:.1f}) | {rules} "
+            f"({r['k3_checkpoint_gib']:.1f}) | {rules} | {eager} "
             f"| {r['best_peer']} {r['best_peer_hit']:.3f} "
             f"({r['best_peer_checkpoint_gib']:.1f}) | {'**' if not r['met'] else ''}{r['ratio']:.3f}"
             f"{'**' if not r['met'] else ''} | {r['target']:.2f} | {r['fa_budget']:.3f} |"
@@ -197,7 +201,7 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     records: list[dict] = []
     tiers: list[dict] = []
-    policies = ",".join(("k3", "k3-rules", *PEERS, "oracle", "fa-budget"))
+    policies = ",".join(("k3", "k3-rules", "k3-eager", *PEERS, "oracle", "fa-budget"))
     runs = [(m, c) for m in members for c in chunks]
     for i, (m, c) in enumerate(runs, 1):
         path = _trace(m, work, a)

@@ -218,7 +218,7 @@ def build_records(args, results) -> list:
                 baseline_state_dtype=args.baseline_state_dtype,
                 state_dtype=(
                     args.checkpoint_dtype
-                    if p in ("k3", "k3-fixed", "k3-alpha0", "k3-rules", "marconi")
+                    if p in ("k3", "k3-fixed", "k3-alpha0", "k3-rules", "k3-eager", "marconi")
                     else "int8"
                     if p == "upstream-int8"
                     else args.baseline_state_dtype
@@ -232,10 +232,19 @@ def build_records(args, results) -> list:
                 evict_watermark=args.evict_watermark,
                 host_budget_gib=args.host_budget_gib if p.startswith("k3") else 0,
                 l3_budget_gib=args.l3_budget_gib if p.startswith("k3") else 0,
-                tier_park_interval=args.tier_park_interval if p.startswith("k3") else 0,
+                tier_park_interval=_park_interval(args) if p.startswith("k3") else 0,
             )
             records.append(rec)
     return records
+
+
+def _park_interval(args) -> int:
+    """The park interval the k3 policies run with: the flag's, else the server's default; 0 without a tier."""
+    from sglang_k3.config import K3Config
+
+    if not (args.host_budget_gib or args.l3_budget_gib):
+        return 0
+    return K3Config.tier_park_interval if args.tier_park_interval is None else args.tier_park_interval
 
 
 def plot(records, path: str, title: str) -> None:
@@ -400,9 +409,10 @@ def parse_args(argv=None):
     ap.add_argument(
         "--tier-park-interval",
         type=int,
-        default=0,
+        default=None,
         help="k3 policies with a tier: --k3-tier-park-interval, a prompt's state saved below the "
-        "device every N tokens (a multiple of 64 and of --symbol-tokens; 0: off; default: %(default)s)",
+        "device every N tokens (a multiple of 64 and of --symbol-tokens; 0: off; default: the "
+        "server's, K3Config.tier_park_interval)",
     )
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument(
@@ -437,9 +447,10 @@ def parse_args(argv=None):
     for name in ("host_budget_gib", "l3_budget_gib"):
         if not (0 <= getattr(args, name) < float("inf")):
             ap.error(f"--{name.replace('_', '-')} must be a finite number >= 0")
-    if args.tier_park_interval < 0 or args.tier_park_interval % max(64, args.symbol_tokens):
+    park = args.tier_park_interval
+    if park is not None and (park < 0 or park % max(64, args.symbol_tokens)):
         ap.error("--tier-park-interval must be a multiple of 64 and of --symbol-tokens")
-    if args.tier_park_interval and not (args.host_budget_gib or args.l3_budget_gib):
+    if park and not (args.host_budget_gib or args.l3_budget_gib):
         ap.error("--tier-park-interval needs --host-budget-gib or --l3-budget-gib")
     if args.host_gbps <= 0 or args.l3_gbps <= 0:
         ap.error("--host-gbps and --l3-gbps must be > 0")

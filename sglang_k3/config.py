@@ -30,6 +30,7 @@ class K3Config:
     checkpoint_branch_points: bool = True
     checkpoint_keep_superseded: bool = False  # keep a finished request's earlier states too
     adaptive_retention: bool = True  # keep states those rules would drop where ghosts show reuse
+    lazy_drops: bool = True  # unified memory: those rules' drops wait until memory is short
     checkpoint_budget: int = 8  # checkpoints on one root-to-leaf path; 0: no cap
     checkpoint_dtype: str = "int8"
     checkpoint_slots: int = 64  # int8/bf16: the checkpoint pool's size, in checkpoints
@@ -42,7 +43,8 @@ class K3Config:
     host_tier_gib: float = 0.0  # host tier for evicted boundaries (KV + state), GiB; 0: off
     tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
     mooncake: bool = False  # an L3 tier in a Mooncake store, configured by SGLang's MOONCAKE_* variables
-    tier_park_interval: int = 0  # tokens: also save a prompt's state every N tokens to the lower tiers; 0 off
+    # tokens: with a lower tier, also save a prompt's state every N tokens straight below; 0 off
+    tier_park_interval: int = 4096
     # Admission budgets per prompt-length class (sglang_k3/fleet/admission.py); no thresholds: off
     admission_thresholds: tuple = ()
     admission_shares: tuple = ()  # per class; empty: 1.0 for the shortest class, 0.5 for each other

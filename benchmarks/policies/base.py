@@ -75,7 +75,7 @@ class SimConfig:
     l3_budget_bytes: float = 0  # k3 policies: a Mooncake (L3) tier of this size (0: off)
     host_gbps: float = 55.0  # host -> device, GB/s (H200, pinned, benchmarks/GPU_NOTES.md)
     l3_gbps: float = 12.5  # L3 -> device, GB/s (one 100 Gb/s RDMA NIC: an assumption)
-    tier_park_interval: int = 0  # k3 policies with a tier: --k3-tier-park-interval (tokens)
+    tier_park_interval: Optional[int] = None  # k3 with a tier: --k3-tier-park-interval (tokens); None: its default
 
     @property
     def kv_bytes_per_symbol(self) -> int:

@@ -151,7 +151,7 @@ class K3Policy(Policy):
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         self.cfg = cfg
         self.k3 = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
-        if cfg.tier_park_interval:
+        if cfg.tier_park_interval is not None:
             self.k3 = dataclasses.replace(self.k3, tier_park_interval=cfg.tier_park_interval)
         self.budget_bytes = budget_bytes
         slot_bytes = cfg.checkpoint_bytes(self.k3.checkpoint_dtype)
@@ -179,7 +179,14 @@ class K3Policy(Policy):
         ev = EvictionPolicy(cost=ScaledCost(cfg.cost, cfg.unit), kv_dtype=cfg.kv_dtype)
         self.tiers = build_sim_tiers(cfg, slot_bytes, shared_l3, self.k3.tier_write_policy)
         self.lifecycle = build_lifecycle(
-            self.k3, self.store, ev, self._free_kv, unit=cfg.unit, tiers=self.tiers, alloc_kv=self._alloc_kv
+            self.k3,
+            self.store,
+            ev,
+            self._free_kv,
+            unit=cfg.unit,
+            tiers=self.tiers,
+            alloc_kv=self._alloc_kv,
+            has_slack=self.ledger.has_slack if self.ledger is not None else None,
         )
         self.evictor = (
             None
@@ -441,3 +448,15 @@ class K3RulesPolicy(K3Policy):
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         super().__init__(cfg, budget_bytes, dataclasses.replace(base, adaptive_retention=False), shared_l3)
+
+
+class K3EagerPolicy(K3Policy):
+    """``--k3-eager-drops`` (not the default): a state the placement rules let go leaves at once,
+    even while the budget has free memory (before lazy drops). Shown beside ``k3`` to measure what
+    deferring those drops to a shortage does."""
+
+    name = "k3-eager"
+
+    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
+        base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
+        super().__init__(cfg, budget_bytes, dataclasses.replace(base, lazy_drops=False), shared_l3)

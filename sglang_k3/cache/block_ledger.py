@@ -232,6 +232,10 @@ class BlockLedger:
     def free_blocks(self) -> int:
         return len(self._free_out) + len(self._free_in)
 
+    def has_slack(self) -> bool:
+        """Whether the budget has a block nobody holds: memory is not short now."""
+        return bool(self._free_out or self._free_in)
+
     def free_block_list(self) -> list[int]:
         return sorted(self._free_out | self._free_in)
 

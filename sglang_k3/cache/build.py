@@ -40,14 +40,22 @@ def placement_from_config(cfg, unit: int = 1) -> PlacementPolicy:
     )
 
 
-def build_tree(eviction: EvictionPolicy, page_size: int = 1) -> K3RadixTree:
+def build_tree(
+    eviction: EvictionPolicy, page_size: int = 1, has_slack: Optional[Callable[[], bool]] = None
+) -> K3RadixTree:
     """The tree the server runs: one KDA group per TP rank, SGLang's KV page size (the tree keeps
     whole pages of KV), a one-position hit unit, and checkpoints protected by pins only (a running
     request works on its own private copy, so a lock on its path need not keep the checkpoints on
-    it)."""
+    it). ``has_slack``: whether the budget has free memory now (states the placement rules let go
+    then stay until it is short: :meth:`~sglang_k3.cache.retention.Retention.let_go`)."""
     check_page_size(page_size)
     return K3RadixTree(
-        num_groups=1, page_size=page_size, hit_unit=1, eviction=eviction, lock_protects_checkpoints=False
+        num_groups=1,
+        page_size=page_size,
+        hit_unit=1,
+        eviction=eviction,
+        lock_protects_checkpoints=False,
+        has_slack=has_slack,
     )
 
 
@@ -76,12 +84,15 @@ def build_lifecycle(
     tiers: Optional[TierPort] = None,
     alloc_kv: Optional[Callable[[int], Optional[list[int]]]] = None,
     page_size: int = 1,
+    has_slack: Optional[Callable[[], bool]] = None,
 ) -> CacheLifecycle:
     """Everything the server's cache and the replay's ``k3`` share, from one ``K3Config`` (the
-    host gives the eviction policy its cost model; the config gives it its alpha)."""
+    host gives the eviction policy its cost model; the config gives it its alpha). ``has_slack``:
+    the unified budget's probe of free memory (``BlockLedger.has_slack``), used unless the config
+    turns ``lazy_drops`` off; None with fixed pools."""
     eviction = dataclasses.replace(eviction, alpha=cfg.eviction_alpha)
     park = cfg.tier_park_interval // unit if tiers is not None else 0
-    tree = build_tree(eviction, page_size)
+    tree = build_tree(eviction, page_size, has_slack if cfg.lazy_drops else None)
     if cfg.adaptive_retention:
         tree.reuse = ReuseLearner()
     return CacheLifecycle(

@@ -54,6 +54,9 @@ class Checkpoint:
     superseded: bool = False  # serves only a repeat of its prompt: priced at 0, so recency alone keeps it
     watch: int = -1  # the ghosts.StateClass whose reuse its first hit counts for; -1: none
     judged: bool = False  # retention already decided to keep it past its placement rule (Retention.judge)
+    # a placement rule let it go while the budget had free memory: it stays, matchable, and goes
+    # first when memory is short (Retention.let_go); a hit clears it
+    deferred: bool = False
 
     @property
     def complete(self) -> bool:

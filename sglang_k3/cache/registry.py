@@ -221,6 +221,9 @@ class CheckpointRegistry:
         groups at once) and lock the KV path under it until the copy-on-write has landed."""
         ck.hits += 1
         ck.superseded = False
+        if ck.deferred:  # the rule that let it go was wrong here: it is a state like any other now
+            ck.deferred = False
+            self.stats.deferred_hits += 1
         if ck.watch >= 0:
             if self.reuse is not None:
                 self.reuse.reused(ck.watch, self.saved_flops(ck))
@@ -247,7 +250,14 @@ class CheckpointRegistry:
         cap, never dropped as superseded) and clear a superseded mark."""
         ck.kind |= CheckpointKind.BRANCH
         ck.superseded = False
+        ck.deferred = False
 
     def mark_superseded(self, ck: Checkpoint) -> None:
         """``ck`` is kept only for a repeat of its prompt: eviction prices it at 0 until it is hit."""
         ck.superseded = True
+
+    def mark_deferred(self, ck: Checkpoint) -> None:
+        """A placement rule let ``ck`` go while memory was free: it stays until memory is short
+        and then goes first (:meth:`~sglang_k3.cache.retention.Retention.let_go`)."""
+        ck.deferred = True
+        self.stats.deferred_checkpoints += 1

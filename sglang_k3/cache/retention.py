@@ -91,6 +91,7 @@ class Candidate:
     saved_flops: float
     nbytes: int
     wanted: int = 0
+    deferred: bool = False  # only states a placement rule let go while memory was free (Retention.let_go)
 
 
 def _norm(values: Sequence[float]) -> list[float]:
@@ -108,21 +109,25 @@ def _log_scale(values: Sequence[float]) -> list[float]:
 
 
 def rank(cands: Sequence[Candidate], alpha: float) -> list[Candidate]:
-    """Candidates no waiting request wants first, lowest utility first, ties broken by older
-    access first (LRU), then by insertion order; then the wanted ones, the queue's tail first.
+    """Candidates no waiting request wants first: the deferred ones (what a placement rule let go
+    while memory was free; oldest first), then the rest, lowest utility first, ties broken by
+    older access first (LRU), then by insertion order; then the wanted ones, the queue's tail
+    first. The deferred ones take no part in the others' normalisation, so the rest rank exactly
+    as they would had the rule dropped them at once.
 
     Min-max normalisation ties often: of two candidates, one newer and one more efficient, both
     score exactly 1 at ``alpha = 1``. Breaking that tie by efficiency instead was measured and
     rejected: it kept a finished prompt group's hot state over the next group's fresh one on the
     live A/B's ``gsp`` under pressure (hit rate 0.109 -> 0.071)."""
-    free = [c for c in cands if not c.wanted]
+    first = sorted((c for c in cands if c.deferred and not c.wanted), key=lambda c: c.last_access)
+    free = [c for c in cands if not c.wanted and not c.deferred]
     wanted = sorted((c for c in cands if c.wanted), key=lambda c: c.wanted)
     if not free:
-        return wanted
+        return first + wanted
     rec = _norm([float(c.last_access) for c in free])
     eff = _norm(_log_scale([c.saved_flops / max(1, c.nbytes) for c in free]))
     scored = sorted((rec[i] + alpha * eff[i], c.last_access, i) for i, c in enumerate(free))
-    return [free[i] for *_, i in scored] + wanted
+    return first + [free[i] for *_, i in scored] + wanted
 
 
 class Retention:
@@ -182,15 +187,20 @@ class Retention:
     # ------------------------------------------------------------------ evidence of forks
     def is_branch_point(self, ck: Checkpoint) -> bool:
         """Placed at a fork (``BRANCH``), or where two or more live paths part. A child that is a
-        leaf with no checkpoint and no lock is a dead stub, not a path: its KV can serve no
-        restore (e.g. the tail a prompt leaves past its last state, which the same request's
-        longer sequence forks off inside a page or replay symbol), so it does not make a fork."""
+        leaf with no lock and no checkpoint (or deferred ones only: :meth:`let_go`) is a dead
+        stub, not a path: its KV can serve no restore (e.g. the tail a prompt leaves past its last
+        state, which the same request's longer sequence forks off inside a page or replay
+        symbol), so it does not make a fork."""
         n = ck.node
         if ck.kind & CheckpointKind.BRANCH:
             return True
         if n is None or ck.pos != n.end:
             return False
-        live = sum(1 for c in n.children.values() if c.children or c.checkpoints or c.lock_ref)
+        live = sum(
+            1
+            for c in n.children.values()
+            if c.children or c.lock_ref or any(not q.deferred for q in c.checkpoints.values())
+        )
         return live >= 2
 
     # ------------------------------------------------------------------ pricing
@@ -198,7 +208,7 @@ class Retention:
         """FLOPs a hit at ``ck`` saves over the next-best earlier checkpoint on its path."""
         prev = 0
         for n in self._path(ck.node):  # type: ignore[arg-type]
-            earlier = [q for q in n.checkpoints if q < ck.pos]
+            earlier = [q for q, c in n.checkpoints.items() if q < ck.pos and not c.deferred]
             if earlier:
                 prev = max(earlier)
                 break
@@ -247,7 +257,12 @@ class Retention:
         return freed
 
     def evict_checkpoint(self, ck: Checkpoint) -> Freed:
-        """Drop ``ck`` as an eviction (every group; its KV stays) and count it."""
+        """Drop ``ck`` as an eviction (every group; its KV stays) and count it. A deferred state
+        goes as its placement rule would have let it go (a recycled state: no demotion to a lower
+        tier, a ghost of a dropped state)."""
+        if ck.deferred:
+            self.stats.recycled_checkpoints += 1
+            return self.drop_checkpoint(ck, DropReason.RECYCLED)
         self.stats.evicted_wanted_checkpoints += bool(self.wanted(ck))
         freed = self.drop_checkpoint(ck, DropReason.EVICTED)
         self.stats.evicted_checkpoints += 1
@@ -257,7 +272,7 @@ class Retention:
     def _evict_checkpoints(self, need: int, spare_wanted: bool = False) -> Freed:
         freed, got = Freed(), 0
         cands = [
-            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c))
+            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c), c.deferred)
             for c in self._ckpts.values()
             if self.checkpoint_evictable(c) and not (spare_wanted and self.wanted(c))
         ]
@@ -292,6 +307,7 @@ class Retention:
                     sum(self.expected_saving(c) for c in n.checkpoints.values()),
                     self.policy.kv_bytes(len(n.key)) + n.checkpoint_bytes(),
                     max((self.wanted(c) for c in n.checkpoints.values()), default=0),
+                    bool(n.checkpoints) and all(c.deferred for c in n.checkpoints.values()),
                 )
                 for n in whole
             ]
@@ -359,7 +375,12 @@ class Retention:
         if len(cks) == 1:  # the common case (a block holds one checkpoint): the same values, no generators
             c = cks[0]
             return Candidate(
-                cks, c.last_access, self.expected_saving(c), c.nbytes + self._kv_freed_with(c), self.wanted(c)
+                cks,
+                c.last_access,
+                self.expected_saving(c),
+                c.nbytes + self._kv_freed_with(c),
+                self.wanted(c),
+                c.deferred,
             )
         return Candidate(
             cks,
@@ -367,6 +388,7 @@ class Retention:
             sum(self.expected_saving(c) for c in cks),
             sum(c.nbytes + self._kv_freed_with(c) for c in cks),
             max(self.wanted(c) for c in cks),
+            all(c.deferred for c in cks),
         )
 
     def rank_checkpoint_groups(self, groups: Sequence[list[Checkpoint]]) -> list[list[Checkpoint]]:
@@ -380,9 +402,13 @@ class Retention:
         """KV bytes that dropping ``ck`` lets go: the tail of an unlocked leaf past the checkpoint
         before it (or the whole leaf), when ``ck`` is the leaf's last checkpoint."""
         n = ck.node
-        if n is None or not n.is_leaf or n.lock_ref or ck.pos != max(n.checkpoints):
+        if n is None or not n.is_leaf or n.lock_ref:
             return 0
-        lower = [p for p in n.checkpoints if p < ck.pos]
+        # deferred states are counted as gone (they go first), as the rule that let them go meant
+        live = [p for p, c in n.checkpoints.items() if not c.deferred or c is ck]
+        if ck.pos != max(live):
+            return 0
+        lower = [p for p in live if p < ck.pos]
         return self.policy.kv_bytes(ck.pos - (max(lower) if lower else n.start))
 
     # ------------------------------------------------------------------ dead KV
@@ -436,11 +462,27 @@ class Retention:
         """Drop intermediate checkpoints on ``node``'s path that ``policy`` no longer wants
         (called while the request that owns ``node`` runs)."""
         freed = Freed()
-        for ck in policy.select_recyclable(self.path_checkpoints(node), self.is_branch_point):
+        live = [c for c in self.path_checkpoints(node) if not c.deferred]
+        for ck in policy.select_recyclable(live, self.is_branch_point):
             if ck.pins == 0 and ck.ready and not self.judge(ck):
-                freed.extend(self.drop_checkpoint(ck, DropReason.RECYCLED))
+                freed.extend(self.let_go(ck))
         self.stats.recycled_checkpoints += freed.checkpoints
         return freed
+
+    def let_go(self, ck: Checkpoint) -> Freed:
+        """A placement rule (recycling, one state per turn) lets ``ck`` go. When memory is short
+        it goes now. When the budget has memory nobody holds (``has_slack``), it stays: matchable
+        like any state, but deferred, first to go at the next shortage (:func:`rank`), so the
+        rest of the cache is what it would have been had it gone. A rule that guesses a state
+        is useless costs nothing then: in traffic that fits in memory (the held-out chat family:
+        0.105M of 33M prompt tokens lost to dropped states at 10 GiB, with memory to spare) and
+        before a budget first fills, nothing is lost to it. A hit clears the mark."""
+        if ck.deferred:
+            return Freed()
+        if self.has_slack is not None and self.has_slack():
+            self.mark_deferred(ck)
+            return Freed()
+        return self.drop_checkpoint(ck, DropReason.RECYCLED)
 
     # ------------------------------------------------------------------ learned exceptions
     def judge(self, ck: Checkpoint) -> bool:
@@ -498,6 +540,7 @@ class Retention:
         for ck, own_hits in sorted(own, key=lambda c: -c[0].pos):  # deepest first: a stub it empties is no fork
             if (
                 ck.node is None
+                or ck.deferred
                 or ck.pos >= up_to
                 or ck.hits > own_hits
                 or ck.pins
@@ -511,7 +554,7 @@ class Retention:
             if ck.kind & CheckpointKind.PROMPT_END and self._repeat_state(ck, placed, prompt_len, keep_repeat_state):
                 self.mark_superseded(ck)  # kept for a repeat of this prompt, priced at 0 (recency alone)
                 continue
-            freed.extend(self.drop_checkpoint(ck, DropReason.RECYCLED))
+            freed.extend(self.let_go(ck))
         self.stats.recycled_checkpoints += freed.checkpoints
         return freed
 
@@ -524,7 +567,7 @@ class Retention:
         itself never serves the same prompt again)."""
         if not keep_repeat_state or prompt_len is None or ck.pos >= prompt_len:
             return False
-        return not any(c.node is not None and ck.pos < c.pos < prompt_len for c in placed)
+        return not any(c.node is not None and not c.deferred and ck.pos < c.pos < prompt_len for c in placed)
 
     def keep_as_branch_state(self, restored: Optional[Checkpoint], branch_point: Optional[int]) -> None:
         """A request forks off the tree at ``branch_point``, and its extend exported no state

@@ -32,6 +32,8 @@ class CacheStats:
     recycled_checkpoints: int = 0
     waiting_refreshes: int = 0  # runs of touch(): refreshes of the waiting queue's prefixes
     evicted_wanted_checkpoints: int = 0  # of evicted_checkpoints, ones a waiting request wanted
+    deferred_checkpoints: int = 0  # states a placement rule let go while memory was free, kept until short
+    deferred_hits: int = 0  # hits on such states (each one a prefill the rule would have recomputed)
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
 
     @property

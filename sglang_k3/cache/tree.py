@@ -47,7 +47,7 @@ eviction, dead-KV trims, recycling, dropping superseded states).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.ghosts import MissCounts, ReuseLearner
@@ -74,6 +74,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
         hit_unit: int = 64,
         eviction: Optional[EvictionPolicy] = None,
         lock_protects_checkpoints: bool = True,
+        has_slack: Optional[Callable[[], bool]] = None,
     ) -> None:
         if num_groups < 1 or page_size < 1 or hit_unit < 1:
             raise ValueError("num_groups, page_size and hit_unit must be >= 1")
@@ -93,6 +94,10 @@ class K3RadixTree(Retention, CheckpointRegistry):
         # With a learner, retention keeps states its placement rules would drop when their class
         # has been reused (sglang_k3.cache.ghosts); None: the rules alone (the baselines' trees).
         self.reuse: Optional[ReuseLearner] = None
+        # Whether the budget has memory nobody holds (the unified ledger's free blocks): then a
+        # state a placement rule lets go stays until memory is short (Retention.let_go). None:
+        # such states go at once (fixed pools, the baselines' trees).
+        self.has_slack = has_slack
         self._clock = 0
         self._next_id = 0
         self._reset_state()

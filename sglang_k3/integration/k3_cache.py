@@ -115,6 +115,7 @@ class K3RadixCache(BasePrefixCache):
             tiers=self.tiers,
             alloc_kv=self._alloc_kv,
             page_size=self.page_size,
+            has_slack=self.ledger.has_slack if self.unified is not None else None,
         )
         if self.unified is not None:
             self.evictor = UnifiedEviction(self.lifecycle, self.ledger, keep_checkpoints=cfg.min_checkpoints)

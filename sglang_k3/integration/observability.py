@@ -95,7 +95,14 @@ COUNTERS: dict[str, str] = {
     "evicted_kv_tokens": "KV tokens evicted.",
     "evicted_checkpoints": "Checkpoints evicted.",
     "evicted_checkpoint_bytes": "Checkpoint bytes evicted.",
-    "recycled_checkpoints": "Intermediate checkpoints recycled by the per-path placement budget.",
+    "recycled_checkpoints": (
+        "States the placement rules let go (superseded chunk ends, the per-path cap, one state per turn): at once, "
+        "or, deferred while memory was free, at the next shortage."
+    ),
+    "deferred_checkpoints": (
+        "States those rules let go while the unified budget had free memory: kept, matchable, first to go when short."
+    ),
+    "deferred_hits": "Hits on deferred states: prefills the rules' drops would have recomputed.",
     "waiting_refreshes": (
         "Refreshes of the waiting queue's prefixes: what queued requests will restore from is evicted last, "
         "the queue's tail first."
