@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mt-first-len", type=int, default=128, help="user tokens of the first turn")
     g.add_argument("--mt-user-len", type=int, default=48, help="new user tokens per later turn")
     g.add_argument("--mt-reply-len", type=int, default=8, help="greedy reply tokens per turn (max_new_tokens)")
+    g.add_argument(
+        "--mt-branches",
+        type=int,
+        default=1,
+        help="continuations of each conversation from turn --mt-fork-at on, one after another (1: no fork)",
+    )
+    g.add_argument("--mt-fork-at", type=int, default=0, help="the turn the branches fork at (0-based)")
 
     g = p.add_argument_group("trace: a scaled slice of a Mooncake trace with real token ids")
     g.add_argument(
@@ -223,6 +230,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trace-scale must divide 512 (1, 2, 4, ..., 512)")
     if args.mt_system_len + args.mt_first_len < 1:
         p.error("--mt-system-len + --mt-first-len must be >= 1")
+    if args.mt_branches < 1:
+        p.error("--mt-branches must be >= 1")
+    if args.mt_branches > 1 and not 0 < args.mt_fork_at < args.mt_turns:
+        p.error("--mt-fork-at must lie inside the conversation (1 .. --mt-turns - 1) with --mt-branches > 1")
     return args
 
 
@@ -519,6 +530,8 @@ def main(argv=None) -> int:
                 reply_len=args.mt_reply_len,
                 seed=args.seed,
                 verbose=not args.quiet,
+                branches=args.mt_branches,
+                fork_at=args.mt_fork_at,
             )
         return wl.run_trace(s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency, verbose=not args.quiet)
 

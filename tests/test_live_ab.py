@@ -81,6 +81,12 @@ def test_bad_flags_and_missing_trace_are_clear(tmp_path):
     assert r.returncode == 2 and "--workloads" in r.stderr
     r = _run(["--trace-scale", "3"], 120)
     assert r.returncode == 2 and "--trace-scale" in r.stderr
+    for bad, needle in (
+        (["--mt-branches", "0"], "--mt-branches"),
+        (["--mt-branches", "2", "--mt-fork-at", "0"], "--mt-fork-at"),
+    ):
+        r = _run(bad, 120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
     missing = str(tmp_path / "no_such_trace.jsonl")
     r = _run(["--workloads", "trace", "--trace", missing, "--out", str(tmp_path)], 120)
     assert r.returncode == 2
@@ -168,7 +174,11 @@ SMALL = [
     "--mt-conversations",
     "2",
     "--mt-turns",
+    "3",
+    "--mt-branches",  # each chat forks at its second turn: the second branch restores at the fork
     "2",
+    "--mt-fork-at",
+    "1",
     "--mt-system-len",
     "64",
     "--mt-first-len",
@@ -216,7 +226,7 @@ def test_live_ab_end_to_end(tmp_path):
     by = {(x["workload"], x["cache"]): x for x in res["records"]}
     assert set(by) == {(w, c) for w in workloads for c in ("k3", "upstream", "off")}
     assert "--disable-radix-cache" in res["settings"]["server_args"]["off"]
-    expected_requests = {"gsp": 2, "multiturn": 4, "trace": 3}
+    expected_requests = {"gsp": 2, "multiturn": 2 * (3 + 2), "trace": 3}  # 2 chats: 3 turns, then 2 more
     for (w, c), rec in by.items():
         for k, t in METRICS.items():
             assert isinstance(rec[k], t), (w, c, k, rec[k])

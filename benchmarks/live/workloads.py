@@ -174,7 +174,11 @@ def check_multiturn_args(p, args) -> None:
 def multiturn_kwargs(args) -> dict:
     """:func:`run_multiturn`'s workload keywords from flags added by :func:`add_multiturn_args`."""
     names = ("conversations", "turns", "system_len", "first_len", "user_len", "reply_len", "seed")
-    return {n: getattr(args, n) for n in names}
+    out = {n: getattr(args, n) for n in names}
+    for n in ("branches", "fork_at"):  # flags only some benchmarks add
+        if hasattr(args, n):
+            out[n] = getattr(args, n)
+    return out
 
 
 def run_multiturn(
@@ -191,33 +195,56 @@ def run_multiturn(
     seed: int,
     verbose: bool = True,
     session_header: Optional[str] = None,
+    branches: int = 1,
+    fork_at: int = 0,
 ) -> tuple[dict, dict]:
     """``conversations`` concurrent chats of ``turns`` turns. All share a ``system_len``-token system
     prompt; turn 0 adds ``first_len`` user tokens; every later turn's prompt is the previous prompt
     + the previous reply (the server's own greedy output ids) + ``user_len`` new user tokens.
+    With ``branches`` > 1 each chat forks at turn ``fork_at``: from there on, ``branches``
+    continuations of the same history (each with its own user messages; a user editing a message,
+    or regenerating from it) run one after another, each for the remaining turns (keys
+    ``conv<c>/b<k>/turn<t>``). So a later branch's first turn restores from the end of the answer
+    before the fork, which the first branch's turns went past.
     ``session_header``: send each chat's id (``conv<c>``) in this header (a router's session key)."""
     rng = random.Random(seed)
     system = [rng.choice(vocab) for _ in range(system_len)]
+    forked = branches > 1
     users = []
     for c in range(conversations):
         r = random.Random(seed * 7919 + c + 1)
-        users.append([[r.choice(vocab) for _ in range(first_len if t == 0 else user_len)] for t in range(turns)])
-    progress = Progress(f"{label} multi-turn", conversations * turns, verbose)
+        shared = [[r.choice(vocab) for _ in range(first_len if t == 0 else user_len)] for t in range(turns)]
+        per_branch = [shared]
+        for _ in range(1, branches):  # the same history up to the fork, new messages from it on
+            per_branch.append(
+                shared[:fork_at]
+                + [[r.choice(vocab) for _ in range(first_len if t == 0 else user_len)] for t in range(fork_at, turns)]
+            )
+        users.append(per_branch)
+    total = conversations * (turns + (branches - 1) * (turns - fork_at))
+    progress = Progress(f"{label} multi-turn", total, verbose)
     results: list[Result] = []
     lock = threading.Lock()
 
     def chat(c: int) -> None:
         prompt: list[int] = list(system)
-        for t in range(turns):
-            prompt = prompt + users[c][t]
-            headers = {session_header: f"conv{c}"} if session_header else None
-            res = generate_stream(url, f"conv{c}/turn{t}", prompt, reply_len, headers=headers)
-            with lock:
-                results.append(res)
-            progress.step(res)
-            if res.error:
-                return
-            prompt = prompt + res.output_ids
+        at_fork: list[int] = []
+        for b in range(branches):
+            if b:
+                prompt = list(at_fork)
+            for t in range(fork_at if b else 0, turns):
+                if t == fork_at and b == 0:
+                    at_fork = list(prompt)
+                prompt = prompt + users[c][b][t]
+                headers = {session_header: f"conv{c}"} if session_header else None
+                key = f"conv{c}/b{b}/turn{t}" if forked else f"conv{c}/turn{t}"
+                res = generate_stream(url, key, prompt, reply_len, headers=headers)
+                with lock:
+                    results.append(res)
+                progress.step(res)
+                if res.error:
+                    return
+                prompt = prompt + res.output_ids
 
     t0 = time.perf_counter()
     ex = ThreadPoolExecutor(conversations)
