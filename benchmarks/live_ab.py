@@ -169,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="continuations of each conversation from turn --mt-fork-at on, one after another (1: no fork)",
     )
     g.add_argument("--mt-fork-at", type=int, default=0, help="the turn the branches fork at (0-based)")
+    g.add_argument(
+        "--mt-system-prompts",
+        type=int,
+        default=1,
+        help="distinct system prompts; conversation c starts from prompt c mod this",
+    )
+    g.add_argument(
+        "--mt-interleaved",
+        action="store_true",
+        help="one request at a time, the conversations taking turns (each one's next turn after all "
+        "the others'), instead of all conversations at once",
+    )
 
     g = p.add_argument_group("trace: a scaled slice of a Mooncake trace with real token ids")
     g.add_argument(
@@ -230,6 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trace-scale must divide 512 (1, 2, 4, ..., 512)")
     if args.mt_system_len + args.mt_first_len < 1:
         p.error("--mt-system-len + --mt-first-len must be >= 1")
+    if args.mt_system_prompts < 1:
+        p.error("--mt-system-prompts must be >= 1")
     if args.mt_branches < 1:
         p.error("--mt-branches must be >= 1")
     if args.mt_branches > 1 and not 0 < args.mt_fork_at < args.mt_turns:
@@ -532,6 +546,8 @@ def main(argv=None) -> int:
                 verbose=not args.quiet,
                 branches=args.mt_branches,
                 fork_at=args.mt_fork_at,
+                system_prompts=args.mt_system_prompts,
+                interleaved=args.mt_interleaved,
             )
         return wl.run_trace(s.url, c, trace_slice, vocab, concurrency=args.trace_concurrency, verbose=not args.quiet)
 

@@ -84,6 +84,7 @@ def test_bad_flags_and_missing_trace_are_clear(tmp_path):
     for bad, needle in (
         (["--mt-branches", "0"], "--mt-branches"),
         (["--mt-branches", "2", "--mt-fork-at", "0"], "--mt-fork-at"),
+        (["--mt-system-prompts", "0"], "--mt-system-prompts"),
     ):
         r = _run(bad, 120)
         assert r.returncode == 2 and needle in r.stderr, r.stderr

@@ -175,7 +175,7 @@ def multiturn_kwargs(args) -> dict:
     """:func:`run_multiturn`'s workload keywords from flags added by :func:`add_multiturn_args`."""
     names = ("conversations", "turns", "system_len", "first_len", "user_len", "reply_len", "seed")
     out = {n: getattr(args, n) for n in names}
-    for n in ("branches", "fork_at"):  # flags only some benchmarks add
+    for n in ("branches", "fork_at", "system_prompts", "interleaved"):  # flags only some benchmarks add
         if hasattr(args, n):
             out[n] = getattr(args, n)
     return out
@@ -197,18 +197,24 @@ def run_multiturn(
     session_header: Optional[str] = None,
     branches: int = 1,
     fork_at: int = 0,
+    system_prompts: int = 1,
+    interleaved: bool = False,
 ) -> tuple[dict, dict]:
-    """``conversations`` concurrent chats of ``turns`` turns. All share a ``system_len``-token system
-    prompt; turn 0 adds ``first_len`` user tokens; every later turn's prompt is the previous prompt
-    + the previous reply (the server's own greedy output ids) + ``user_len`` new user tokens.
+    """``conversations`` concurrent chats of ``turns`` turns. Chat ``c`` starts from system prompt
+    ``c % system_prompts`` (``system_len`` tokens each); turn 0 adds ``first_len`` user tokens; every
+    later turn's prompt is the previous prompt + the previous reply (the server's own greedy output
+    ids) + ``user_len`` new user tokens.
     With ``branches`` > 1 each chat forks at turn ``fork_at``: from there on, ``branches``
     continuations of the same history (each with its own user messages; a user editing a message,
     or regenerating from it) run one after another, each for the remaining turns (keys
     ``conv<c>/b<k>/turn<t>``). So a later branch's first turn restores from the end of the answer
     before the fork, which the first branch's turns went past.
+    ``interleaved``: one request at a time instead, the chats taking turns (every chat's next
+    request, in chat order, then again), so each chat's next turn comes after all the others'.
     ``session_header``: send each chat's id (``conv<c>``) in this header (a router's session key)."""
     rng = random.Random(seed)
-    system = [rng.choice(vocab) for _ in range(system_len)]
+    # the first system prompt is drawn first, so one system prompt gives the same tokens as before
+    systems = [[rng.choice(vocab) for _ in range(system_len)] for _ in range(system_prompts)]
     forked = branches > 1
     users = []
     for c in range(conversations):
@@ -226,8 +232,9 @@ def run_multiturn(
     results: list[Result] = []
     lock = threading.Lock()
 
-    def chat(c: int) -> None:
-        prompt: list[int] = list(system)
+    def steps(c: int):
+        """Chat ``c``'s requests in order: yields (key, prompt), is sent that request's output ids."""
+        prompt: list[int] = list(systems[c % system_prompts])
         at_fork: list[int] = []
         for b in range(branches):
             if b:
@@ -236,24 +243,53 @@ def run_multiturn(
                 if t == fork_at and b == 0:
                     at_fork = list(prompt)
                 prompt = prompt + users[c][b][t]
-                headers = {session_header: f"conv{c}"} if session_header else None
-                key = f"conv{c}/b{b}/turn{t}" if forked else f"conv{c}/turn{t}"
-                res = generate_stream(url, key, prompt, reply_len, headers=headers)
-                with lock:
-                    results.append(res)
-                progress.step(res)
-                if res.error:
-                    return
-                prompt = prompt + res.output_ids
+                out = yield (f"conv{c}/b{b}/turn{t}" if forked else f"conv{c}/turn{t}"), prompt
+                prompt = prompt + out
+
+    def send(c: int, key: str, prompt: list) -> Result:
+        headers = {session_header: f"conv{c}"} if session_header else None
+        res = generate_stream(url, key, prompt, reply_len, headers=headers)
+        with lock:
+            results.append(res)
+        progress.step(res)
+        return res
+
+    def chat(c: int) -> None:
+        gen = steps(c)
+        key, prompt = next(gen)
+        while True:
+            res = send(c, key, prompt)
+            if res.error:  # the chat's later turns would need this reply
+                return
+            try:
+                key, prompt = gen.send(res.output_ids)
+            except StopIteration:
+                return
+
+    def take_turns() -> None:
+        gens = {c: steps(c) for c in range(conversations)}
+        pending = {c: next(g) for c, g in gens.items()}
+        while pending:
+            for c in sorted(pending):
+                res = send(c, *pending[c])
+                try:
+                    if res.error:
+                        raise StopIteration
+                    pending[c] = gens[c].send(res.output_ids)
+                except StopIteration:
+                    del pending[c]
 
     t0 = time.perf_counter()
-    ex = ThreadPoolExecutor(conversations)
-    try:
-        list(ex.map(chat, range(conversations)))
-    finally:
-        # On Ctrl-C do not wait here for chats still in a request: the caller's cleanup (stopping
-        # the servers) must run first, and it is what ends those requests.
-        ex.shutdown(wait=False, cancel_futures=True)
+    if interleaved:
+        take_turns()
+    else:
+        ex = ThreadPoolExecutor(conversations)
+        try:
+            list(ex.map(chat, range(conversations)))
+        finally:
+            # On Ctrl-C do not wait here for chats still in a request: the caller's cleanup (stopping
+            # the servers) must run first, and it is what ends those requests.
+            ex.shutdown(wait=False, cancel_futures=True)
     duration = time.perf_counter() - t0
     return summarize_results(results, duration), {r.key: r.output_ids for r in results if r.error is None}
 
