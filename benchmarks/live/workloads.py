@@ -174,11 +174,7 @@ def check_multiturn_args(p, args) -> None:
 def multiturn_kwargs(args) -> dict:
     """:func:`run_multiturn`'s workload keywords from flags added by :func:`add_multiturn_args`."""
     names = ("conversations", "turns", "system_len", "first_len", "user_len", "reply_len", "seed")
-    out = {n: getattr(args, n) for n in names}
-    for n in ("branches", "fork_at", "system_prompts", "interleaved"):  # flags only some benchmarks add
-        if hasattr(args, n):
-            out[n] = getattr(args, n)
-    return out
+    return {n: getattr(args, n) for n in names}
 
 
 def run_multiturn(
@@ -254,30 +250,32 @@ def run_multiturn(
         progress.step(res)
         return res
 
+    def advance(gen, res: Result):
+        """The chat's next (key, prompt) after ``res``; None when it is done or ``res`` failed (its
+        later turns would need this reply)."""
+        if res.error:
+            return None
+        try:
+            return gen.send(res.output_ids)
+        except StopIteration:
+            return None
+
     def chat(c: int) -> None:
         gen = steps(c)
-        key, prompt = next(gen)
-        while True:
-            res = send(c, key, prompt)
-            if res.error:  # the chat's later turns would need this reply
-                return
-            try:
-                key, prompt = gen.send(res.output_ids)
-            except StopIteration:
-                return
+        step = next(gen)
+        while step is not None:
+            step = advance(gen, send(c, *step))
 
     def take_turns() -> None:
         gens = {c: steps(c) for c in range(conversations)}
         pending = {c: next(g) for c, g in gens.items()}
         while pending:
             for c in sorted(pending):
-                res = send(c, *pending[c])
-                try:
-                    if res.error:
-                        raise StopIteration
-                    pending[c] = gens[c].send(res.output_ids)
-                except StopIteration:
+                step = advance(gens[c], send(c, *pending[c]))
+                if step is None:
                     del pending[c]
+                else:
+                    pending[c] = step
 
     t0 = time.perf_counter()
     if interleaved:

@@ -474,9 +474,10 @@ class Retention:
         it goes now. When the budget has memory nobody holds (``has_slack``), it stays: matchable
         like any state, but deferred, first to go at the next shortage (:func:`rank`), so the
         rest of the cache is what it would have been had it gone. A rule that guesses a state
-        is useless costs nothing then: in traffic that fits in memory (the held-out chat family:
-        0.105M of 33M prompt tokens lost to dropped states at 10 GiB, with memory to spare) and
-        before a budget first fills, nothing is lost to it. A hit clears the mark."""
+        is useless costs nothing while memory is free (traffic that fits, a budget not yet full).
+        Where memory runs short anyway, deferred states go at the next shortage: on the suite's
+        chat family (docs/results.md, "Retention suite") this cut the tokens lost to dropped
+        states at 10 GiB from 105k to 95k of 33M, not to 0. A hit clears the mark."""
         if ck.deferred:
             return Freed()
         if self.has_slack is not None and self.has_slack():
