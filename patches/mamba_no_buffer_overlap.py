@@ -17,7 +17,7 @@ The same check asserts ``--page-size 1``: upstream's ``no_buffer`` keys its sing
 node at any token. The k3 tree keeps whole KV pages of a running request (a boundary inside its
 last page is not stored; the 64-token grid state below it is), keeps a finished request's partial
 last page with the state at its exact end, and copies that page's slots when a request restores
-inside it; so for k3 a page size that divides 64 passes (``check_page_size``), and
+inside it; so for k3 a page size that nests with the 64-token grid passes (``check_page_size``), and
 ``launch_server`` and the cache refuse others with the reason.
 
 So for a k3 backend this AROUND hook lets the overlap scheduler stay on and the page size be one
@@ -30,7 +30,7 @@ from __future__ import annotations
 TARGET = "sglang.srt.arg_groups.mamba_hook.validate_mamba_no_buffer"
 REASON = (
     "k3 guards its state copies by state length and keys states at page boundaries, so no_buffer may run "
-    "with the overlap scheduler and pages that divide 64"
+    "with the overlap scheduler and pages that nest with the 64-token state grid (powers of two up to 256)"
 )
 UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = False

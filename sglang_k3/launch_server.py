@@ -106,9 +106,9 @@ def _check_backend_strategy(argv: list[str]) -> None:
 
 
 def _check_page_size(argv: list[str], cfg: K3Config) -> None:
-    """k3's restore points inside a running request sit on the KDA kernel's 64-token grid, so the
-    page size must divide 64 (each grid point is then a page boundary). The lower tiers move KV
-    token by token and need page 1."""
+    """The page sizes k3 serves nest with the KDA kernel's 64-token state grid (powers of two up
+    to 256: ``check_page_size`` says why). The lower tiers move KV token by token and need
+    page 1."""
     if _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
         return
     value = _value(argv, "--page-size")

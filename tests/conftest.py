@@ -95,6 +95,10 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3_page64": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64"],
     "k3_page64_no_overlap": ["--k3-checkpoint-dtype", "fp32", "--page-size", "64", "--disable-overlap-schedule"],
     "k3_page64_int8": ["--page-size", "64", "--k3-checkpoint-slots", "16"],
+    # Pages larger than the 64-token state grid: every other (every fourth) grid state lies inside
+    # a page, and restores there copy the page's prefix out.
+    "k3_page128": ["--k3-checkpoint-dtype", "fp32", "--page-size", "128"],
+    "k3_page256": ["--k3-checkpoint-dtype", "fp32", "--page-size", "256"],
     # k3 defaults with Prometheus on (tests/test_k3_observability.py; /server_info needs no flag).
     "k3_metrics": ["--enable-metrics"],
 }

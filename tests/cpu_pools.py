@@ -50,11 +50,14 @@ def k3_cache_on_cpu(cfg, layers=(0, 2, 3)):
     return K3RadixCache(params, cfg)
 
 
-def unified_k3_cache_on_cpu(cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba_size: int = 6, rows: int = 4):
+def unified_k3_cache_on_cpu(
+    cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba_size: int = 6, rows: int = 4, page: int = 1
+):
     """The server's ``K3RadixCache`` over the unified budget, built as the server builds it: real
-    SGLang KV and state pools, then :func:`sglang_k3.integration.unified_memory.install`.
-    Returns ``(cache, kv_pool, allocator)``."""
+    SGLang KV and state pools (and its paged allocator at ``page`` over 1), then
+    :func:`sglang_k3.integration.unified_memory.install`. Returns ``(cache, kv_pool, allocator)``."""
     import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
@@ -66,7 +69,7 @@ def unified_k3_cache_on_cpu(cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba
     kv = HybridLinearKVPool(
         size=kv_tokens,
         dtype=torch.float32,
-        page_size=1,
+        page_size=page,
         head_num=1,
         head_dim=48,
         full_attention_layer_ids=[1],
@@ -76,7 +79,12 @@ def unified_k3_cache_on_cpu(cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba
         kv_lora_rank=32,
         qk_rope_head_dim=16,
     )
-    alloc = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    if page == 1:
+        alloc = TokenToKVPoolAllocator(size=kv_tokens, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(
+            size=kv_tokens, page_size=page, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
+        )
     alloc = install(cfg, rtp, kv, alloc)
-    params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1)
+    params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page)
     return K3RadixCache(params, cfg), kv, alloc

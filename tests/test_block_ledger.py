@@ -1,6 +1,7 @@
 """The unified budget's block ledger: random allocate/free sequences of all three kinds never give
 two live allocations overlapping bytes, never leak, and account every byte to exactly one kind;
-after everything is freed, every usable byte is free in one run."""
+after everything is freed, every usable byte is free in one run. At every KV page size k3 serves
+(SGLang's ``--page-size``), KV moves in whole pages and a page never straddles two blocks."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +13,21 @@ from sglang_k3.cache.block_ledger import BlockLedger, Kind, LedgerError, plan_ge
 # checkpoint about a third of it: a block holds one checkpoint, a state spans three blocks
 GEOM = plan_geometry(40 * 420_864, kv_token_bytes=1280, active_bytes=420_864, ckpt_bytes=150_000)
 SPAN = GEOM.active_span
+PAGES = (1, 16, 64, 256)
+GEOMS = {
+    p: plan_geometry(40 * 420_864, kv_token_bytes=1280, active_bytes=420_864, ckpt_bytes=150_000, kv_page=p)
+    for p in PAGES
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_block_holds_whole_pages(page):
+    g = GEOMS[page]
+    assert g.kv_per_block % page == 0 and g.pages_per_block >= 1
+    assert g.ckpt_per_block * g.ckpt_stride == g.block_bytes and g.ckpt_stride >= g.ckpt_bytes
+    assert g.active_span * g.block_bytes >= g.active_bytes
+    if page == 1:
+        assert g == GEOM  # page 1 cuts the budget as before pages existed
 
 
 def test_blocks_are_sized_for_a_checkpoint_and_a_state_spans_several():
@@ -23,9 +39,9 @@ def test_blocks_are_sized_for_a_checkpoint_and_a_state_spans_several():
 
 
 def _intervals(led: BlockLedger, kv: set, active: set, ckpts: set) -> list[tuple[int, int, str]]:
-    g = led.geom
+    g, span = led.geom, led.span
     out = [(t * g.kv_token_bytes, (t + 1) * g.kv_token_bytes, "kv") for t in kv]
-    out += [(s * SPAN * g.block_bytes, s * SPAN * g.block_bytes + g.active_bytes, "active") for s in active]
+    out += [(s * span * g.block_bytes, s * span * g.block_bytes + g.active_bytes, "active") for s in active]
     for h in ckpts:
         b, sub = divmod(h, g.ckpt_per_block)
         start = b * g.block_bytes + sub * g.ckpt_stride
@@ -52,7 +68,7 @@ def _check(led: BlockLedger, kv: set, active: set, ckpts: set) -> None:
     )
     assert split["kv_used_bytes"] == len(kv) * g.kv_token_bytes
     assert split["checkpoint_used_bytes"] == len(ckpts) * g.ckpt_stride
-    assert split["active_bytes"] == len(active) * SPAN * g.block_bytes
+    assert split["active_bytes"] == len(active) * led.span * g.block_bytes
     assert led.ckpt_count() == len(ckpts) and led.active_count() == len(active)
     assert led.kv_capacity() == led.kv_available() + len(kv)  # the idle leak check's equation
 
@@ -67,26 +83,43 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops, st.integers(0, 12), st.sampled_from([0, 0, 700, 5000]), st.sampled_from([0, 0, 3, 9]))
-def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
-    led = BlockLedger(GEOM, active_reserve=reserve, min_kv_tokens=min_kv, max_checkpoints=cap)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops,
+    st.integers(0, 12),
+    st.sampled_from([0, 0, 700, 5000]),
+    st.sampled_from([0, 0, 3, 9]),
+    st.sampled_from(PAGES),
+)
+def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap, page):
+    g = GEOMS[page]
+    led = BlockLedger(g, active_reserve=reserve, min_kv_tokens=min_kv, max_checkpoints=cap)
+    span = led.span
     kv: set = set()
     active: set = set()
     ckpts: set = set()
     for op, n, pick in seq:
         free_before = led.free_blocks()
         if op == "kv":
+            n = -(-n // page) * page  # SGLang asks for whole pages
             avail = led.kv_available()
             got = led.kv_alloc(n)
             assert (got is None) == (n > avail)
             if got is not None:
                 assert len(got) == n and not (set(got) & kv) and len(set(got)) == n
+                for i in range(0, n, page):  # each page: whole, aligned, in one block
+                    run = got[i : i + page]
+                    assert run == list(range(run[0], run[0] + page)) and run[0] % page == 0
+                    assert run[0] // g.kv_per_block == run[-1] // g.kv_per_block
                 kv |= set(got)
         elif op == "kv_free" and kv:
-            victims = sorted(kv)[pick % len(kv) :][:n]
-            led.kv_free(victims)
-            kv -= set(victims)
+            pages = sorted({t // page for t in kv})
+            victims = pages[pick % len(pages) :][: max(1, n // page)]
+            # SGLang's paged allocator frees the pages of whatever tokens it is given: sometimes
+            # every token of a page, sometimes one
+            given_ = [q * page + (i if pick % 2 else 0) for q in victims for i in range(page if pick % 2 else 1)]
+            led.kv_free(given_)
+            kv -= {q * page + i for q in victims for i in range(page)}
         elif op == "active":
             free = led.free_slots()
             b = led.active_alloc()
@@ -114,7 +147,7 @@ def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
             ckpts.discard(h)
         # KV never takes the active region: the slots no state holds are free or borrowed
         region = [s for s in led.region_slots if s not in active]
-        assert all(led.kind[b] in (Kind.FREE, Kind.CKPT) for s in region for b in range(s * SPAN, (s + 1) * SPAN))
+        assert all(led.kind[b] in (Kind.FREE, Kind.CKPT) for s in region for b in range(s * span, (s + 1) * span))
         _check(led, kv, active, ckpts)
     led.kv_free(sorted(kv))
     for b in list(active):
@@ -122,8 +155,22 @@ def test_random_sequences_never_overlap_or_leak(seq, reserve, min_kv, cap):
     for h in list(ckpts):
         led.ckpt_free(h)
     _check(led, set(), set(), set())
-    assert led.free_blocks() == GEOM.usable_blocks
-    assert led.largest_free_run() == GEOM.usable_blocks * GEOM.block_bytes
+    assert led.free_blocks() == g.usable_blocks
+    assert led.largest_free_run() == g.usable_blocks * g.block_bytes  # after a flush: one run
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_paged_kv_refuses_part_pages_and_double_frees(page):
+    led = BlockLedger(GEOMS[page], active_reserve=2)
+    with pytest.raises(LedgerError, match="whole pages"):
+        led.kv_alloc(page + 1)
+    got = led.kv_alloc(2 * page)
+    led.kv_free(got[page + 3 : page + 4])  # one token frees its page, as in SGLang's paged allocator
+    assert led.kv_free_tokens() == GEOMS[page].kv_per_block - page
+    with pytest.raises(LedgerError, match="not allocated"):
+        led.kv_free(got[page:])
+    led.kv_free(got[:1])
+    assert led.kv_free_tokens() == 0 and led.free_blocks() == GEOMS[page].usable_blocks
 
 
 def test_kv_leaves_the_active_reserve_alone():

@@ -139,8 +139,9 @@ def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
         validate_no_buffer(
             validate_mamba_no_buffer, SimpleNamespace(radix_cache_backend="upstream", **view), "KimiLinear"
         )
-    # k3 keys its states at page boundaries: pages that divide 64 pass, others keep upstream's check
-    for page in (16, 64):
+    # k3 keys its states at page boundaries: pages that nest with the 64-token grid pass, others
+    # keep upstream's check
+    for page in (16, 64, 128, 256):
         k3_view = SimpleNamespace(radix_cache_backend="k3", **{**view, "page_size": page})
         validate_no_buffer(validate_mamba_no_buffer, k3_view, "K")
     with pytest.raises(AssertionError, match="page_size"):
@@ -160,11 +161,12 @@ def _overlap_off(view):
 def test_page_sizes_k3_cannot_serve_are_refused_with_the_reason():
     from sglang_k3 import launch_server as L
 
-    for page in ("16", "64"):
+    for page in ("16", "64", "128", "256"):
         argv, _ = L.build_argv(["--model-path", "/m", "--page-size", page])
         assert argv[argv.index("--page-size") + 1] == page
-    with pytest.raises(SystemExit, match="divides 64"):
-        L.build_argv(["--model-path", "/m", "--page-size", "48"])
+    for page in ("48", "512", "0"):
+        with pytest.raises(SystemExit, match="powers of two up to 256"):
+            L.build_argv(["--model-path", "/m", "--page-size", page])
     with pytest.raises(SystemExit, match="lower tiers"):
         L.build_argv(["--model-path", "/m", "--page-size", "64", "--k3-host-tier-gib", "1"])
     # SGLang's own cache and a cache-off server are not k3's to check

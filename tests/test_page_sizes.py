@@ -3,7 +3,8 @@
 The finished turn keeps its last, partial page in the tree (a ragged leaf, with the state at its
 exact end); the next turn restores inside that page and continues in a copy of it, never in the
 tree's page. Hits must land where they land with one-token pages, and greedy tokens must equal a
-cache-off server's (fp32 checkpoints).
+cache-off server's (fp32 checkpoints). At every page size the KV pages, the running states and
+the checkpoints share the unified budget (SGLang's paged allocator over the ledger's blocks).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ def _conversation(server, seed: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("seed", [11, 12])
-def test_a_turn_end_inside_a_page_is_restored_exactly_there(server_factory, seed):
-    paged, plain = server_factory("k3_page64"), server_factory("nocache")
+@pytest.mark.parametrize("page, seed", [(64, 11), (64, 12), (128, 13), (256, 14)])
+def test_a_turn_end_inside_a_page_is_restored_exactly_there(server_factory, page, seed):
+    paged, plain = server_factory(f"k3_page{page}"), server_factory("nocache")
     copies_before = k3_state(paged)["kv_page_copies"]
     got, want = _conversation(paged, seed), _conversation(plain, seed)
     assert [t["ids"] for t in got] == [t["ids"] for t in want]
@@ -48,3 +49,17 @@ def test_pages_of_64_hit_where_pages_of_1_hit(server_factory):
         got, ref = _conversation(paged, seed), _conversation(flat, seed)
         assert [t["cached"] for t in got] == [t["cached"] for t in ref]
         assert [t["ids"] for t in got] == [t["ids"] for t in ref]
+
+
+@pytest.mark.parametrize("page", [64, 128, 256])
+def test_paged_servers_run_on_the_unified_budget(server_factory, page):
+    """No fallback to SGLang's fixed pools: the budget is reported, KV blocks hold whole pages,
+    and after the conversations above the KV in them is live and checkpoints were stored there."""
+    paged = server_factory(f"k3_page{page}")
+    _conversation(paged, 30 + page)
+    st = k3_state(paged)
+    assert st["memory_budget_bytes"] > 0, st
+    assert 0 < st["memory_kv_used_bytes"] <= st["memory_kv_bytes"], st
+    assert st["memory_peak_checkpoint_bytes"] > 0, st
+    split = ("memory_kv_bytes", "memory_active_bytes", "memory_checkpoint_bytes", "memory_free_bytes")
+    assert sum(st[k] for k in split) + st["memory_reserved_bytes"] == st["memory_budget_bytes"], st

@@ -265,3 +265,71 @@ def test_install_drops_what_the_state_pool_cached_from_its_old_tensors():
     conv.fill_(1.0)
     pool.clear_slots(torch.tensor([1]))
     assert conv[:, 1].abs().sum() == 0 and conv[:, 0].abs().sum() > 0
+
+
+def _paged_step(alloc, kind: str, prefix: list[int], seq: list[int], last_loc: list[int]):
+    """One of SGLang's paged allocations for a batch, with its CPU tensors as the scheduler
+    builds them (``alloc_extend`` for a prefill, ``alloc_decode`` for one token each)."""
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    if kind == "decode":
+        return alloc.alloc_decode(t(seq), t(seq), t(last_loc))
+    n = sum(s - p for p, s in zip(prefix, seq))
+    return alloc.alloc_extend(t(prefix), t(prefix), t(seq), t(seq), t(last_loc), n)
+
+
+@pytest.mark.parametrize("page, seed", [(16, 5), (64, 6)])
+def test_the_paged_allocator_places_tokens_as_sglangs_own(page, seed):
+    """Differential: the same batches of prefills (some continuing inside a page) and decodes go to
+    SGLang's own paged allocator and to the unified one. Every token lands at the same offset in
+    its page as SGLang's places it, a request's tokens of one page share that page, no page is
+    handed out twice, and after every request is freed the ledger has all its KV back."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    rng = random.Random(seed)
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=40 * page, mamba_size=6, rows=4, page=page)
+    ref = PagedTokenToKVPoolAllocator(
+        size=40 * page, page_size=page, dtype=torch.float32, device="cpu", kvcache=None, need_sort=False
+    )
+    led = cache.ledger
+    capacity = led.kv_capacity()
+    rows = {a: [[] for _ in range(3)] for a in ("k3", "ref")}  # request -> its KV indices
+    for step in range(12):
+        kind = "decode" if step % 3 == 2 else "extend"
+        seq = [len(r) + (1 if kind == "decode" else rng.randint(1, 3 * page)) for r in rows["k3"]]
+        for name, a in (("k3", alloc), ("ref", ref)):
+            prefix = [len(r) for r in rows[name]]
+            last = [r[-1] if r else -1 for r in rows[name]]
+            out = _paged_step(a, kind, prefix, seq, last)
+            assert out is not None, (name, step)
+            i = 0
+            for r, p, s in zip(rows[name], prefix, seq):
+                r.extend(out[i : i + s - p].tolist())
+                i += s - p
+        for mine, theirs in zip(rows["k3"], rows["ref"]):
+            assert [t % page for t in mine] == [t % page for t in theirs]
+            for pos in range(1, len(mine)):
+                same_page = pos % page != 0
+                assert (mine[pos] // page == mine[pos - 1] // page) == same_page
+        pages = [t // page for r in rows["k3"] for t in r[::page]]
+        assert len(pages) == len(set(pages)) and 0 not in pages  # page 0 is the padding target
+        led.check()
+    used = sum(-(-len(r) // page) for r in rows["k3"])
+    assert led.kv_capacity() - led.kv_available() == used * page
+    for r in rows["k3"]:
+        alloc.free(torch.tensor(r))
+    assert led.kv_available() == led.kv_capacity() == capacity and led.free_blocks() == led.geom.usable_blocks
+
+
+def test_the_paged_allocator_evicts_checkpoints_for_pages():
+    """A budget full of checkpoints: a paged prefill still gets its pages, by evicting them."""
+    page = 16
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4, page=page)
+    led = cache.ledger
+    node = _fill_with_checkpoints(cache, alloc, length=192)
+    cache.tree.inc_lock_ref(node)  # the path's KV is in use: only checkpoints can go
+    want = led.kv_available() + 2 * led.geom.kv_per_block
+    assert alloc.available_size() >= want
+    out = _paged_step(alloc, "extend", [0], [want], [-1])
+    assert out is not None and len(out) == want and led.counters.reclaims >= 1
+    assert [int(t) % page for t in out[:page]] == list(range(page))
+    led.check()

@@ -7,18 +7,16 @@ exactly one of:
 
 * ``FREE``;
 * ``RESERVED``: block 0, the dummy write target of padded tokens and padded state slots;
-* ``KV``: ``kv_per_block`` MLA KV token entries (token ``t`` lives in block ``t // kv_per_block``);
+* ``KV``: ``kv_per_block`` MLA KV token entries in whole pages of ``kv_page`` tokens (SGLang's
+  ``--page-size``; token ``t`` lives in block ``t // kv_per_block``, page ``t // kv_page``); KV
+  is handed out and given back a page at a time;
 * ``ACTIVE``: part of one request's private, full-precision KDA state. A state spans
   ``active_span`` consecutive blocks: state slot ``s`` *is* blocks ``[s * span, (s + 1) * span)``;
 * ``CKPT``: ``ckpt_per_block`` checkpoint sub-slots (handle ``h`` lives in block
   ``h // ckpt_per_block``).
 
-Block size. A block is sized for the smallest thing that moves, one checkpoint (one int8
-checkpoint at 48B is about 12 MB, a fresh fp32 state about 43 MB), not for the active state: a
-finer block means that freeing room for a checkpoint empties fewer KV tokens, and that less of a
-checkpoint block is padding. Measured on the conversation trace (3,000 requests, 48B, int8), a
-block of one active state gave 0.083 / 0.159 token hit rate at 20 / 40 GiB, a block of one
-checkpoint 0.089 / 0.174.
+Blocks are cut by :func:`~sglang_k3.cache.block_geometry.plan_geometry`, which says why they
+are sized as they are.
 
 The three index spaces alias the same bytes; the ledger guarantees that an index is handed out
 only while its block belongs to that kind, so live allocations never overlap and every byte is
@@ -56,6 +54,10 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Iterable, Iterator, Optional
 
+from sglang_k3.cache.block_geometry import BlockGeometry, plan_geometry
+
+__all__ = ["BlockGeometry", "BlockLedger", "Kind", "LedgerCounters", "LedgerError", "plan_geometry"]
+
 
 class Kind(enum.IntEnum):
     FREE = 0
@@ -63,105 +65,6 @@ class Kind(enum.IntEnum):
     KV = 2
     ACTIVE = 3
     CKPT = 4
-
-
-@dataclass(frozen=True)
-class BlockGeometry:
-    """The budget's layout. ``block_bytes`` is a multiple of ``kv_token_bytes``, holds one active
-    state (``active_bytes``) and is exactly ``ckpt_per_block`` checkpoint strides."""
-
-    num_blocks: int
-    block_bytes: int
-    kv_token_bytes: int
-    kv_per_block: int
-    active_bytes: int
-    ckpt_bytes: int
-    ckpt_stride: int
-    ckpt_per_block: int
-    active_span: int = 1  # blocks one active state spans
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def num_slots(self) -> int:
-        """Active-state slot indices the buffer has room for (slot 0: padding)."""
-        return self.num_blocks // self.active_span
-
-    @property
-    def reserved_blocks(self) -> int:
-        return self.active_span  # slot 0's span: the padding target of KV token 0, slot 0 and handle 0
-
-    @property
-    def usable_blocks(self) -> int:
-        return self.num_blocks - self.reserved_blocks
-
-    def __post_init__(self) -> None:
-        if self.block_bytes != self.kv_per_block * self.kv_token_bytes:
-            raise ValueError("block_bytes must be kv_per_block * kv_token_bytes")
-        if self.active_span < 1 or self.active_bytes > self.active_span * self.block_bytes:
-            raise ValueError("active_span blocks must hold one active state")
-        if self.ckpt_per_block * self.ckpt_stride > self.block_bytes:
-            raise ValueError("a block must hold ckpt_per_block checkpoints")
-        if self.ckpt_per_block * self.ckpt_stride != self.block_bytes:
-            raise ValueError("checkpoint strides must tile the block exactly")
-        if self.ckpt_per_block < 1 or self.ckpt_stride < self.ckpt_bytes:
-            raise ValueError("a block must hold at least one checkpoint")
-
-
-def _fit_block(per: int, kv_token_bytes: int, need: int, align: int) -> tuple[int, int]:
-    """The smallest ``per >=`` the given whose block is aligned and splits into ``m >= 1`` aligned
-    checkpoint strides of at least ``need`` bytes: ``(per, m)``."""
-    for _ in range(1 << 16):
-        block = per * kv_token_bytes
-        m = block // need
-        if block % align == 0 and m >= 1 and block % (m * align) == 0:
-            return per, m
-        per += 1
-    raise ValueError(f"no block size fits KV entries of {kv_token_bytes} B and checkpoints of {need} B")
-
-
-def plan_geometry(
-    budget_bytes: int, *, kv_token_bytes: int, active_bytes: int, ckpt_bytes: int, align: int = 64
-) -> BlockGeometry:
-    """Cut ``budget_bytes`` into blocks. A block is a whole number of KV token entries that divides
-    into ``ckpt_per_block`` equal, ``align``-aligned checkpoint strides (so every view into the
-    buffer is a plain strided tensor and every entry starts aligned); an active state spans
-    ``active_span`` blocks. Each span ``k`` from 1 (a block holds a whole state) to
-    ``ceil(active / checkpoint)`` (a block holds about one checkpoint) gives the smallest such block
-    of at least ``active / k`` bytes; the one kept pads least, counting checkpoint padding in full
-    and active-state padding at half (active states are only the running requests' few slots),
-    the finer block on a tie. At 48B that is, for int8 checkpoints, a block of one checkpoint and a
-    span of 4 (13 % of each active slot is padding, none of a checkpoint), for bf16 a span of 2,
-    for fp32 a span of 1."""
-    for name, v in (("kv_token_bytes", kv_token_bytes), ("active_bytes", active_bytes), ("ckpt_bytes", ckpt_bytes)):
-        if v <= 0:
-            raise ValueError(f"{name} must be positive (got {v})")
-    need = -(-ckpt_bytes // align) * align
-    best = None
-    for k in range(1, max(1, -(-active_bytes // ckpt_bytes)) + 1):
-        per0 = -(-max(-(-active_bytes // k), min(active_bytes, ckpt_bytes)) // kv_token_bytes)
-        per, m = _fit_block(per0, kv_token_bytes, need, align)
-        block = per * kv_token_bytes
-        span = -(-active_bytes // block)
-        stride = block // m
-        waste = (stride - ckpt_bytes) / stride + (span * block - active_bytes) / (span * block) / 2
-        if best is None or (waste, block) < best[0]:
-            best = ((waste, block), per, m, span)
-    _, per, m, span = best
-    block = per * kv_token_bytes
-    return BlockGeometry(
-        num_blocks=budget_bytes // block,
-        block_bytes=block,
-        kv_token_bytes=kv_token_bytes,
-        kv_per_block=per,
-        active_bytes=active_bytes,
-        ckpt_bytes=ckpt_bytes,
-        ckpt_stride=block // m,
-        ckpt_per_block=m,
-        active_span=span,
-    )
 
 
 class LedgerError(RuntimeError):
@@ -219,9 +122,9 @@ class BlockLedger:
             self.kind[b] = Kind.RESERVED
         self._free_out = set(range(g.reserved_blocks, g.num_blocks)) - self._region  # KV may take these
         self._free_in = set(self._region)  # the active region's free blocks
-        self._kv_free: dict[int, list[int]] = {}  # KV block -> free token offsets (a stack)
-        self._kv_used: dict[int, bytearray] = {}  # KV block -> 1 where the token is allocated
-        self._kv_free_total = 0
+        self._kv_free: dict[int, list[int]] = {}  # KV block -> free page offsets (a stack)
+        self._kv_used: dict[int, bytearray] = {}  # KV block -> 1 where the page is allocated
+        self._kv_free_total = 0  # free pages in KV blocks
         self._kv_partial: set[int] = set()  # KV blocks with at least one free token
         self._ck_partial: set[int] = set()  # checkpoint blocks with at least one free sub-slot
         self._ck_free: dict[int, set[int]] = {}  # checkpoint block -> free sub-slots
@@ -297,29 +200,32 @@ class BlockLedger:
         self.kind[b] = Kind.FREE
         (self._free_in if b in self._region else self._free_out).add(b)
 
-    # ------------------------------------------------------------------ KV tokens
+    # ------------------------------------------------------------------ KV pages
+    # The KV side is kept in pages of ``geom.kv_page`` tokens (page ``q`` is tokens
+    # ``[q * p, (q + 1) * p)``; at page 1 a page is a token). Free and used are tracked per page.
+
     def kv_free_tokens(self) -> int:
-        return self._kv_free_total
+        return self._kv_free_total * self.geom.kv_page
 
     def kv_blocks_takeable(self) -> int:
         """Free blocks KV may take now (the active region is not KV's)."""
         return len(self._free_out)
 
     def kv_available(self) -> int:
-        """KV tokens allocatable without evicting anything."""
+        """KV tokens allocatable without evicting anything (whole pages)."""
         return self.kv_free_tokens() + self.kv_blocks_takeable() * self.geom.kv_per_block
 
     def kv_capacity(self) -> int:
         """KV tokens held + allocatable now: the KV side's current size."""
         return (len(self._kv_free) + self.kv_blocks_takeable()) * self.geom.kv_per_block
 
-    def kv_alloc(self, n: int) -> Optional[list[int]]:
-        """``n`` token indices, or None (nothing taken) when fewer are available."""
+    def kv_alloc_pages(self, n: int) -> Optional[list[int]]:
+        """``n`` page ids, or None (nothing taken) when fewer pages are available."""
         if n <= 0:
             return []
-        if n > self.kv_available():
+        if n * self.geom.kv_page > self.kv_available():
             return None
-        per = self.geom.kv_per_block
+        per = self.geom.pages_per_block
         out: list[int] = []
         for b in sorted(self._kv_partial, key=lambda b: (len(self._kv_free[b]), b)):  # best fit
             free, used = self._kv_free[b], self._kv_used[b]
@@ -347,14 +253,19 @@ class BlockLedger:
                 self._kv_partial.add(b)
         return out
 
-    def kv_free(self, indices: Iterable[int]) -> None:
-        per = self.geom.kv_per_block
+    def kv_free_pages(self, pages: Iterable[int]) -> None:
+        """Give back these pages, each once; a page that is not allocated raises (nothing after it
+        in ``pages`` is freed)."""
+        per = self.geom.pages_per_block
         touched = set()
-        for t in indices:
-            b, off = divmod(int(t), per)
+        for q in pages:
+            b, off = divmod(int(q), per)
             used = self._kv_used.get(b)
             if used is None or not used[off]:
-                raise LedgerError(f"KV token {t} is not allocated (block {b} is {self.kind[b].name})")
+                raise LedgerError(
+                    f"KV page {q} (tokens from {int(q) * self.geom.kv_page}) is not allocated "
+                    f"(block {b} is {self.kind[b].name})"
+                )
             used[off] = 0
             self._kv_free[b].append(off)
             self._kv_partial.add(b)
@@ -366,6 +277,26 @@ class BlockLedger:
                 self._kv_partial.discard(b)
                 self._kv_free_total -= per
                 self._give_back(b)
+
+    def kv_alloc(self, n: int) -> Optional[list[int]]:
+        """``n`` token indices in whole pages (``n`` a multiple of the page), or None (nothing
+        taken) when fewer are available."""
+        p = self.geom.kv_page
+        if n % p:
+            raise LedgerError(f"KV is handed out in whole pages of {p} tokens; {n} tokens is not")
+        pages = self.kv_alloc_pages(n // p)
+        if pages is None or p == 1:
+            return pages
+        return [q * p + i for q in pages for i in range(p)]
+
+    def kv_free(self, indices: Iterable[int]) -> None:
+        """Free the pages these token indices lie in (each page once, as SGLang's paged allocator
+        does); at page 1, exactly these tokens."""
+        p = self.geom.kv_page
+        if p == 1:
+            self.kv_free_pages(indices)
+        else:
+            self.kv_free_pages(sorted({int(t) // p for t in indices}))
 
     # ------------------------------------------------------------------ active slots
     def active_alloc(self) -> Optional[int]:
@@ -537,11 +468,11 @@ class BlockLedger:
         total = 0
         for b, s in self._kv_free.items():
             used = self._kv_used[b]
-            if len(s) >= self.geom.kv_per_block or sorted(s) != [i for i, u in enumerate(used) if not u]:
+            if len(s) >= self.geom.pages_per_block or sorted(s) != [i for i, u in enumerate(used) if not u]:
                 raise LedgerError(f"KV block {b}: free list and usage map disagree, or it is empty but not free")
             total += len(s)
         if total != self._kv_free_total:
-            raise LedgerError("KV free-token count is off")
+            raise LedgerError("KV free-page count is off")
         if self._kv_partial != {b for b, f in self._kv_free.items() if f}:
             raise LedgerError("the set of partly free KV blocks is off")
         m = self.geom.ckpt_per_block

@@ -59,17 +59,24 @@ def build_tree(
     )
 
 
+MAX_PAGE = 256
+
+
 def check_page_size(page_size: int, with_tiers: bool = False) -> None:
-    """The page sizes k3 serves (and is tested at): those that divide 64. A prefill that starts on
-    a page boundary then exports its 64-token grid states on page boundaries, inside the whole
-    pages the tree takes from a running request; with larger pages the grid states near a prompt
-    end would more often fall in the request's last, unfinished page, which the tree does not hold
-    yet. Request ends inside a page are kept as ragged leaves (:meth:`K3RadixTree.insert`), and a
-    restore inside a page is copied out of it (``kv_cow_tokens``). ``with_tiers``: the lower
-    tiers move KV token by token and need page size 1."""
-    if page_size < 1 or STATE_GRID % page_size:
+    """The page sizes k3 serves (and is tested at): powers of two up to 256, so a page and the
+    KDA kernel's 64-token state grid always nest (one divides the other). Up to 64, a prefill
+    that starts on a page boundary exports its grid states on page boundaries; with pages of 128
+    and 256 every other (or every fourth) grid state falls inside a page, where the tree keeps it
+    on the node that holds the page (a checkpoint may sit anywhere in its node's span), and a
+    restore there copies the page's prefix out (``kv_cow_tokens``). Grid states in a running
+    request's last, unfinished page have no key yet and are not stored; the larger the page, the
+    more of a prompt's last states that is. Request ends inside a page are kept as ragged leaves
+    (:meth:`K3RadixTree.insert`). ``with_tiers``: the lower tiers move KV token by token and need
+    page size 1."""
+    if page_size < 1 or page_size > MAX_PAGE or page_size & (page_size - 1):
         raise ValueError(
-            f"the k3 cache needs a page size that divides {STATE_GRID} (1, 2, 4, 8, 16, 32 or 64), got {page_size}"
+            f"the k3 cache serves KV page sizes that are powers of two up to {MAX_PAGE} "
+            f"(1, 2, 4, ..., 64, 128, 256), got {page_size}"
         )
     if with_tiers and page_size > 1:
         raise ValueError("the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1")

@@ -15,6 +15,8 @@ What SGLang sees (``docs/sglang_cache_contract.md`` §1h for the checks these ke
 
 * KV allocator: ``available_size()`` = free KV tokens + free blocks beyond the active reserve;
   ``size`` = KV blocks held + those, so ``available + cached + in use == size`` holds at all times.
+  At ``--page-size`` 1 it is SGLang's token allocator (:class:`UnifiedKVAllocator`); above 1 its
+  paged one (:class:`UnifiedPagedKVAllocator`), whose blocks hold whole pages.
 * State-slot allocator and ``mamba_pool.size``: the active reserve ``R`` (SGLang's own count of
   request slots); ``available_size() = R - active``; ``schedulable_available_size()`` = the free
   blocks a slot can take now. When short, SGLang asks the cache to evict (``mamba_num``), which
@@ -29,8 +31,12 @@ import logging
 from typing import Callable, Optional
 
 import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.platforms import current_platform
+from sglang.srt.utils import get_num_new_pages
 
 from sglang_k3.cache.block_ledger import BlockLedger, LedgerError, plan_geometry
 from sglang_k3.config import K3Config
@@ -122,6 +128,106 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
         """Nothing to merge: frees reach the ledger at once."""
 
 
+class UnifiedPagedKVAllocator(PagedTokenToKVPoolAllocator):
+    """SGLang's paged KV allocator (``--page-size`` over 1), drawing whole pages from the unified
+    budget's KV blocks (a block holds ``pages_per_block`` pages; page ``q`` is tokens
+    ``[q * p, (q + 1) * p)``). SGLang's own ``alloc_extend`` / ``alloc_decode`` place the tokens
+    (the Triton kernels on a GPU, the torch ones on CPU): before each, exactly the pages the batch
+    needs are taken from the ledger and handed to them as the free list, so the free list is
+    always empty between calls and the ledger is the only record of which page is free. Capacity
+    and eviction are as in :class:`UnifiedKVAllocator`."""
+
+    def __init__(self, ledger: BlockLedger, page_size: int, dtype: torch.dtype, device, kvcache) -> None:
+        if ledger.geom.kv_page != page_size:
+            raise UnifiedConfigError(
+                f"sglang-k3 unified memory: the ledger's blocks hold pages of {ledger.geom.kv_page} tokens, "
+                f"SGLang's allocator pages of {page_size}"
+            )
+        self.ledger = ledger
+        self.reclaimable_blocks: Callable[[], int] = lambda: 0  # set by the k3 cache
+        self.evict_for_kv: Optional[Callable[[int], None]] = None  # set by the k3 cache
+        # the base sets page_size, dtype, device, the KV cache and the free-group state; the paged
+        # constructor's page table (num_pages, free_pages) is the ledger here
+        BaseTokenToKVPoolAllocator.__init__(self, 0, page_size, dtype, device, kvcache, False)
+        self.debug_mode = False
+        self.use_triton_kernels = current_platform.capabilities.supports_triton  # as SGLang's own decides
+        self.clear()
+
+    _extra = UnifiedKVAllocator._extra
+    size = UnifiedKVAllocator.size
+
+    def clear(self) -> None:
+        self.ledger.clear()
+        self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self.free_group = None
+        self.free_page_ids_group = []
+        self.staged_pages = []
+        self.num_staged_pages = 0
+
+    def available_size(self) -> int:
+        return self.ledger.kv_available() + self._extra()
+
+    def merge_and_sort_free(self) -> None:
+        """Nothing to merge: frees reach the ledger at once."""
+
+    def _take_pages(self, n: int) -> Optional[list[int]]:
+        got = self.ledger.kv_alloc_pages(n)
+        if got is None and self.evict_for_kv is not None and n * self.page_size <= self.available_size():
+            self.evict_for_kv(n * self.page_size)  # checkpoints go, by value, until their blocks are free
+            got = self.ledger.kv_alloc_pages(n)
+        return got
+
+    def _lend(self, pages: list[int]) -> None:
+        """Hand ``pages`` to SGLang's placement code as its free list, which takes exactly them."""
+        self.free_pages = torch.tensor(pages, dtype=torch.int64, device=self.device)
+
+    def alloc(self, need_size: int):
+        if need_size % self.page_size:
+            raise ValueError(f"the paged KV allocator hands out whole pages of {self.page_size} (asked {need_size})")
+        pages = self._take_pages(need_size // self.page_size)
+        if pages is None:
+            return None
+        if not pages:
+            return torch.empty((0,), dtype=torch.int64, device=self.device)
+        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        return (ids[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+
+    def alloc_extend(
+        self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages=None
+    ):
+        if num_new_pages is None:
+            num_new_pages = get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu
+            )
+        pages = self._take_pages(int(num_new_pages))
+        if pages is None:
+            return None
+        self._lend(pages)
+        out = super().alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, num_new_pages
+        )
+        assert out is not None and len(self.free_pages) == 0, "SGLang's placement did not take the pages it was lent"
+        return out
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        n = int(get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
+        pages = self._take_pages(n)
+        if pages is None:
+            return None
+        self._lend(pages)
+        out = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+        assert out is not None and len(self.free_pages) == 0, "SGLang's placement did not take the pages it was lent"
+        return out
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        ids = torch.cat(page_ids) if len(page_ids) > 1 else page_ids[0]
+        self.ledger.kv_free_pages(ids.tolist())
+
+    def get_all_free_pages(self):
+        """None: the free pages are the ledger's (SGLang's leak census skips pools without a list)."""
+        return None
+
+
 class UnifiedSlotAllocator(MambaSlotAllocator):
     """SGLang's state-slot allocator: a slot is ``active_span`` blocks of the unified budget's
     active region."""
@@ -186,7 +292,7 @@ def mla_pool_of(token_to_kv_pool):
     return full
 
 
-def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
+def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int, page: int = 1):
     """Size the budget as SGLang sized its two pools and check the floors fit. The active reserve
     is SGLang's count of request rows (capped by its state pool): a request holds a state only
     while it holds a row, under the overlap scheduler too (``docs/sglang_cache_contract.md`` §6).
@@ -202,7 +308,11 @@ def plan(cfg: K3Config, kv_pool, mamba_pool, max_running: int):
         c.numel() * c.element_size() for c in mamba_pool.mamba_cache.conv
     )
     geom = plan_geometry(
-        kv_bytes + state_bytes, kv_token_bytes=kv_token_bytes, active_bytes=state.nbytes, ckpt_bytes=ckpt.nbytes
+        kv_bytes + state_bytes,
+        kv_token_bytes=kv_token_bytes,
+        active_bytes=state.nbytes,
+        ckpt_bytes=ckpt.nbytes,
+        kv_page=page,
     )
     reserve = max(1, min(int(mamba_pool.size), int(max_running)))
     span = geom.active_span
@@ -241,16 +351,8 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     if kv_pool is None or mamba_pool is None:
         logger.info("sglang-k3 unified memory: not an MLA + KDA hybrid; pools left as SGLang built them")
         return None
-    if getattr(allocator, "page_size", 1) != 1:
-        # The unified KV allocator hands out single token slots from blocks it shares with
-        # states; a paged one is not built yet. The fixed pools serve (--k3-checkpoint-slots).
-        logger.warning(
-            "sglang-k3 unified memory: needs --page-size 1 (got %d); serving with SGLang's KV and state "
-            "pools and a checkpoint pool of --k3-checkpoint-slots",
-            allocator.page_size,
-        )
-        return None
-    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size)
+    page = int(getattr(allocator, "page_size", 1))
+    ledger, state, ckpt, sizes = plan(cfg, kv_pool, mamba_pool, max_running=req_to_token_pool.size, page=page)
     g = ledger.geom
     n_layers, dim = len(kv_pool.kv_buffer), kv_pool.kv_buffer[0].shape[-1]
     kv_dtype, device = kv_pool.kv_buffer[0].dtype, kv_pool.kv_buffer[0].device
@@ -276,17 +378,22 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
     drop_cached_views(mamba_pool)
     slots = UnifiedSlotAllocator(ledger, device=temporal.device)
     req_to_token_pool.mamba_allocator = slots
-    new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
+    if page == 1:
+        new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
+    else:
+        new_alloc = UnifiedPagedKVAllocator(ledger, page, allocator.dtype, allocator.device, allocator.get_kvcache())
     setattr(req_to_token_pool, _ATTR, UnifiedMemory(ledger, buf, ckpt))
     logger.info(
         "sglang-k3 unified memory: %d bytes (SGLang's KV pool %d B + state pool %d B) in %d blocks of %d B "
-        "(%d KV tokens or %d %s checkpoints each; a state spans %d); %d state slots held back for active states",
+        "(%d KV tokens in pages of %d, or %d %s checkpoints each; a state spans %d); %d state slots held back "
+        "for active states",
         g.budget_bytes,
         sizes["sglang_kv_pool_bytes"],
         sizes["sglang_state_pool_bytes"],
         g.num_blocks,
         g.block_bytes,
         g.kv_per_block,
+        g.kv_page,
         g.ckpt_per_block,
         cfg.checkpoint_dtype,
         g.active_span,
