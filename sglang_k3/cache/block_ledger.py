@@ -430,6 +430,14 @@ class BlockLedger:
             "reserved_bytes": g.reserved_blocks * g.block_bytes,
         }
 
+    def block_map(self) -> str:
+        """One character a block, for a log line when memory cannot be had: ``R`` reserved, ``K``
+        KV, ``A`` active, ``C`` checkpoints, ``.`` free; the active region in brackets."""
+        chars = {Kind.FREE: ".", Kind.RESERVED: "R", Kind.KV: "K", Kind.ACTIVE: "A", Kind.CKPT: "C"}
+        s = "".join(chars[k] for k in self.kind)
+        lo, hi = self.region_slots.start * self.span, self.region_slots.stop * self.span
+        return f"{s[:lo]}[{s[lo:hi]}]{s[hi:]}"
+
     def largest_free_run(self) -> int:
         """Bytes in the longest run of consecutive free blocks."""
         best = run = 0

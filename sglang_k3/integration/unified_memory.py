@@ -278,6 +278,18 @@ class UnifiedSlotAllocator(MambaSlotAllocator):
                 need_size,
                 self.ledger.active_reserve,
             )
+        if got is None:
+            led = self.ledger
+            logger.error(
+                "sglang-k3 unified memory: no state slot for %d request(s): %d of %d reserved slots held by "
+                "running requests; the rest of the region is held by checkpoints that cannot go now (pinned by a "
+                "hit, or their copy has not landed), and no run of %d free blocks is left elsewhere. Blocks: %s",
+                need_size,
+                led.active_count(),
+                led.active_reserve,
+                led.span,
+                led.block_map(),
+            )
         return got
 
     def free(self, free_index: torch.Tensor) -> None:
