@@ -105,10 +105,9 @@ def _check_backend_strategy(argv: list[str]) -> None:
         )
 
 
-def _check_page_size(argv: list[str], cfg: K3Config) -> None:
+def _check_page_size(argv: list[str]) -> None:
     """The page sizes k3 serves nest with the KDA kernel's 64-token state grid (powers of two up
-    to 256: ``check_page_size`` says why). The lower tiers move KV token by token and need
-    page 1."""
+    to 256: ``check_page_size`` says why)."""
     if _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
         return
     value = _value(argv, "--page-size")
@@ -117,7 +116,7 @@ def _check_page_size(argv: list[str], cfg: K3Config) -> None:
     from sglang_k3.cache.build import check_page_size
 
     try:
-        check_page_size(int(value), with_tiers=cfg.host_tier_gib > 0 or cfg.mooncake)
+        check_page_size(int(value))
     except ValueError as e:
         raise SystemExit(f"--page-size {value}: {e}") from None
 
@@ -154,7 +153,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         rest = ["--model-path", default_model_path()] + _with_defaults(rest, EMBEDDED_MODEL_DEFAULTS)
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
-    _check_page_size(rest, cfg)
+    _check_page_size(rest)
     if cfg.mooncake:
         _check_mooncake_client()
     if _value(rest, "--radix-cache-backend") == "k3" and not _given(rest, "--disable-radix-cache"):

@@ -103,6 +103,8 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     "k3_metrics": ["--enable-metrics"],
 }
 
+# The host tier under the same small device budget with KV pages of 64 tokens.
+SERVER_CONFIGS["k3_host_tier_page64"] = [*SERVER_CONFIGS["k3_host_tier"], "--page-size", "64"]
 # Pages of 16 with k3_small's chunks and pools: chunk ends, evictions and restores inside pages all
 # happen; its 96-token chunks end on page boundaries but off the 64-token grid.
 SERVER_CONFIGS["k3_page16_small"] = [*SERVER_CONFIGS["k3_small"], "--page-size", "16"]

@@ -1,5 +1,6 @@
 """The host tier through a real server: a device budget far too small for the workload
-(``k3_host_tier``: 1,024 KV tokens, 6 state slots) and a 1 GiB host tier.
+(``k3_host_tier``: 1,024 KV tokens, 6 state slots) and a 1 GiB host tier, at KV pages of 1 and
+of 64 tokens.
 
 Eight conversations over one system prompt take turns round-robin, so by the time a conversation
 comes back, the device has evicted its state and KV. The cases are named after upstream's open
@@ -26,9 +27,11 @@ SEED = 4242
 KW = dict(n_conv=8, n_turns=3, system_len=120, user_len=(200, 260), reply_len=6)
 
 
-@pytest.fixture(scope="module")
-def runs(server_factory):
-    tier = server_factory("k3_host_tier")
+@pytest.fixture(scope="module", params=["k3_host_tier", "k3_host_tier_page64"])
+def runs(server_factory, request):
+    """Pages of 1 and of 64 tokens: the host tier moves KV whole pages at a time at 64, and a turn
+    end inside a page comes back as a partial page."""
+    tier = server_factory(request.param)
     before = k3_state(tier)
     cached = run_conversations(tier, SEED, **KW)
     after = k3_state(tier)

@@ -5,7 +5,9 @@ instance holding part of the pool killed) cost hits, never correctness.
 
 Both run ``--k3-mooncake --k3-tier-write-policy write_through`` (a boundary is in the shared tier
 as soon as it is stored, not only once evicted) with fp32 checkpoints, so greedy tokens must equal
-the cache-off server's exactly. Skipped without the Mooncake wheel.
+the cache-off server's exactly. The second instance serves KV pages of 64 tokens, the first pages
+of one: what either saved, the other restores (tier objects do not depend on the page size).
+Skipped without the Mooncake wheel.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ FLAGS = ["--k3-checkpoint-dtype", "fp32", "--k3-mooncake", "--k3-tier-write-poli
 def fleet(server_factory):
     master = MooncakeMaster().start()
     env = master.client_env(128 << 20)
-    a, b = Server("mooncake_a", FLAGS, env=env), Server("mooncake_b", FLAGS, env=env)
+    a, b = Server("mooncake_a", FLAGS, env=env), Server("mooncake_b_page64", [*FLAGS, "--page-size", "64"], env=env)
     try:
         a.launch()
         b.launch()

@@ -62,7 +62,7 @@ def build_tree(
 MAX_PAGE = 256
 
 
-def check_page_size(page_size: int, with_tiers: bool = False) -> None:
+def check_page_size(page_size: int) -> None:
     """The page sizes k3 serves (and is tested at): powers of two up to 256, so a page and the
     KDA kernel's 64-token state grid always nest (one divides the other). Up to 64, a prefill
     that starts on a page boundary exports its grid states on page boundaries; with pages of 128
@@ -71,15 +71,13 @@ def check_page_size(page_size: int, with_tiers: bool = False) -> None:
     restore there copies the page's prefix out (``kv_cow_tokens``). Grid states in a running
     request's last, unfinished page have no key yet and are not stored; the larger the page, the
     more of a prompt's last states that is. Request ends inside a page are kept as ragged leaves
-    (:meth:`K3RadixTree.insert`). ``with_tiers``: the lower tiers move KV token by token and need
-    page size 1."""
+    (:meth:`K3RadixTree.insert`). The lower tiers serve every one of these sizes
+    (:mod:`sglang_k3.cache.tier_bridge`, "Pages")."""
     if page_size < 1 or page_size > MAX_PAGE or page_size & (page_size - 1):
         raise ValueError(
             f"the k3 cache serves KV page sizes that are powers of two up to {MAX_PAGE} "
             f"(1, 2, 4, ..., 64, 128, 256), got {page_size}"
         )
-    if with_tiers and page_size > 1:
-        raise ValueError("the k3 lower tiers (--k3-host-tier-gib, --k3-mooncake) need page size 1")
 
 
 def build_lifecycle(

@@ -13,6 +13,13 @@ between the device tree and a :class:`~sglang_k3.cache.ports.TierPort`, in one p
 
 A tier that fails never takes the device cache down: its error is logged and counted
 (``tier_errors``), and the request is served from the device. Torch-free.
+
+**Pages.** Tier objects hold KV token-major, cut at any token, and say nothing of the device's page
+size: what a server at page 1 saved, one at page 64 restores, and the reverse. With pages of ``p``
+tokens a promotion counts the device's KV only to the last whole page it matched (the tree's pages
+are shared whole, never written into), loads the rest into fresh pages, and inserts a boundary
+that ends inside a page as a finished request's end is inserted (ragged: the tree keeps its last,
+partial page); a request that restores there copies that page's prefix out, as on the device.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ class TierBridge:
         tiers: TierPort,
         alloc_kv: Callable[[int], Optional[list[int]]],
         free_kv: Callable[[list[int]], None],
-        insert: Callable[[Sequence[int], Sequence[int]], InsertResult],
+        insert: Callable[..., InsertResult],  # (tokens, kv, ragged=False)
         park_every: int = 0,
     ) -> None:
         self.tree, self.store, self.tiers = tree, store, tiers
@@ -119,7 +126,7 @@ class TierBridge:
             return
         try:
             _, mla_len, restore = self.tree.peek(tokens)
-            self.tiers.prefetch(tokens, floor=restore, cap=len(tokens) - 1, device_kv=mla_len)
+            self.tiers.prefetch(tokens, floor=restore, cap=len(tokens) - 1, device_kv=self._whole_pages(mla_len))
         except Exception:
             self.counters.tier_errors += 1
             logger.exception("k3 tier: prefetch lookup failed")
@@ -137,7 +144,7 @@ class TierBridge:
         for _ in range(self.PROMOTE_ATTEMPTS):
             path, mla_len, restore = self.tree.peek(tokens)
             try:
-                plan = tiers.find(tokens, floor=restore, cap=cap, device_kv=mla_len)
+                plan = tiers.find(tokens, floor=restore, cap=cap, device_kv=self._whole_pages(mla_len))
             except Exception:
                 self.counters.tier_errors += 1
                 logger.exception("k3 tier: lookup failed; serving from the device only")
@@ -152,6 +159,11 @@ class TierBridge:
                 return
             cap = plan.pos - 1
 
+    def _whole_pages(self, n: int) -> int:
+        """The device's KV that a promotion keeps: ``n`` tokens down to a page boundary."""
+        p = self.tree.page_size
+        return n // p * p
+
     def _promote_plan(self, tokens: Sequence[int], path: list, restore: int, plan) -> str:
         """One boundary up: ``"done"``, ``"retry"`` (a part failed to load: nothing was written)
         or ``"stop"`` (no room, or an error)."""
@@ -163,16 +175,19 @@ class TierBridge:
         handle: Optional[int] = None
         try:
             n = plan.pos - plan.kv_from
-            new_kv = self._alloc_kv(n) if n else []
+            p = self.tree.page_size
+            # whole pages (kv_from is on a page boundary); a boundary inside a page leaves the
+            # rest of its last page unused, held with the page
+            new_kv = self._alloc_kv(-(-n // p) * p) if n else []
             handle = self.store.alloc() if new_kv is not None else None
             if new_kv is None or handle is None:
                 tiers.note_no_memory()
                 return "stop"
-            kind = tiers.load(plan, new_kv, handle)
+            kind = tiers.load(plan, new_kv[:n], handle)
             if kind is None:
                 return "retry"
-            kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv)
-            ins = self._insert(tokens[: plan.pos], kv)
+            kv = self.tree.prefix_kv(path, plan.kv_from) + list(new_kv[:n])
+            ins = self._insert(tokens[: plan.pos], kv, ragged=plan.pos % p != 0)
             new_kv = None  # the tree's now (insert freed any it already held)
             ck = self.tree.add_checkpoint(
                 ins.node,

@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 class K3RadixCache(BasePrefixCache):
     def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None, tier_ctx=None):
         self.page_size = params.page_size or 1
-        check_page_size(self.page_size, with_tiers=cfg.host_tier_gib > 0 or cfg.mooncake)
+        check_page_size(self.page_size)
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.disable = False
