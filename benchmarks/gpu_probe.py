@@ -99,6 +99,18 @@ def first_error(log_path: str) -> str | None:
     return None
 
 
+def _k3_memory(url: str) -> dict:
+    """The k3 cache's unified-memory fields and page copies from ``/server_info`` ({} for other
+    caches, or when the server does not answer)."""
+    from sglang_k3.fleet.instance import k3_state
+
+    try:
+        st = k3_state(url)
+    except Exception as e:  # a probe reports, it does not stop at a missing field
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {k: v for k, v in (st or {}).items() if k.startswith("memory_") or k == "kv_page_copies"}
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     from benchmarks.live.client import generate_stream
@@ -144,6 +156,10 @@ def main(argv=None) -> int:
                 results = [r for rs in ex.map(convo, range(a.conversations)) for r in rs]
             rec["requests"] = len(results)
             rec["errors"] = [r.error for r in results if r.error]
+            # the second turns' hits, and the k3 cache's memory as the server reports it
+            rec["prompt_tokens_turn2"] = sum(r.prompt_tokens for r in results[1::2])
+            rec["cached_tokens_turn2"] = sum(r.cached_tokens for r in results[1::2])
+            rec["k3"] = _k3_memory(s.url)
             rec["served"] = not rec["errors"] and len(results) == 2 * a.conversations and s.alive()
         except ServerStartError as e:
             rec["start_error"] = str(e).splitlines()[0]

@@ -20,6 +20,8 @@
 #                 conversations of a few thousand tokens that branch at their third turn, and the
 #                 trace slice; each cache's CPU time per scheduling step (--time-cache); then the
 #                 multi-turn under a small, equal memory budget with k3's host tier on (2 GiB).
+#                 AB_EXTRA adds flags to every server (AB_EXTRA="--page-size 64"; then set
+#                 AB_K3_PRESSURE_ARGS="" too: the host tier needs page 1).
 #   det           the noise differential again (fp32, int8) with every server under SGLang's
 #                 --enable-deterministic-inference: does it run with these backends, does the floor shrink?
 #   probe         benchmarks.gpu_probe: which of several server configurations serve a small batched
@@ -93,7 +95,9 @@ differential)
   pkill -f sglang_k3.launch_server; sleep 2  # a killed harness stops its servers; be sure
   ;;
 ab)
-  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16"
+  # AB_EXTRA: flags for all three servers (e.g. "--page-size 64"); AB_K3_PRESSURE_ARGS: the k3
+  # server's extra flags in the pressure run (default its host tier, which needs page 1)
+  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 ${AB_EXTRA:-}"
   # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
   # multiturn (conversations that branch at their third turn) and the trace slice only.
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run.
@@ -110,7 +114,7 @@ ab)
     # upstream's KV + state pools hold the same bytes), well under what the prefixes need
     timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
-      --k3-server-args "--k3-host-tier-gib 2" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
+      --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
       --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
     echo "live_ab (pressure) exit $?"
     pkill -f sglang_k3.launch_server; sleep 2
