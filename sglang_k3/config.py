@@ -45,6 +45,9 @@ class K3Config:
     mooncake: bool = False  # an L3 tier in a Mooncake store, configured by SGLang's MOONCAKE_* variables
     # tokens: with a lower tier, also save a prompt's state every N tokens straight below; 0 off
     tier_park_interval: int = 4096
+    # MiB of tier writes in flight in the writer thread (a save beyond it is dropped); 0: each
+    # save writes before it returns, on the scheduler's thread
+    tier_write_queue_mib: int = 256
     # Admission budgets per prompt-length class (sglang_k3/fleet/admission.py); no thresholds: off
     admission_thresholds: tuple = ()
     admission_shares: tuple = ()  # per class; empty: 1.0 for the shortest class, 0.5 for each other
@@ -79,6 +82,8 @@ class K3Config:
             raise ValueError(f"host_tier_gib must be a finite number >= 0 (got {self.host_tier_gib})")
         if self.tier_park_interval < 0 or self.tier_park_interval % 64:
             raise ValueError(f"tier_park_interval must be a multiple of 64 >= 0 (got {self.tier_park_interval})")
+        if self.tier_write_queue_mib < 0:
+            raise ValueError(f"tier_write_queue_mib must be >= 0 (got {self.tier_write_queue_mib})")
         if self.tier_write_policy not in TIER_WRITE_POLICIES:
             raise ValueError(
                 f"tier write policy {self.tier_write_policy!r}: choose one of {', '.join(TIER_WRITE_POLICIES)}"

@@ -5,9 +5,10 @@ concurrently, repeated prompts, prompts ending mid-chunk) run against ``k3`` ser
 ``--disable-radix-cache`` server. ``k3`` runs with the overlap scheduler on (launch_server's
 default), ``k3_no_overlap`` with it off. ``k3_small`` (overlap on) uses 96-token prefill chunks and
 small KV and state pools, so chunk checkpoints, recycling and eviction all happen. The
-``k3_page*`` servers run with KV pages of 64, 16 and 256 tokens (overlap on and off), where a turn
-end inside a page is restored through a copy of that page; ``k3_host_tier_page64`` brings evicted
-boundaries back from host memory at pages of 64. Seeds are recorded in the test ids.
+``k3_page*`` servers run with KV pages of 64 and 16 tokens (overlap on and off), where a turn end
+inside a page is restored through a copy of that page (pages of 128 and 256: test_page_sizes.py);
+``k3_host_tier_page64`` brings evicted boundaries back from host memory at pages of 64. Seeds are
+recorded in the test ids.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ CONFIGS = [
     "k3_page64",
     "k3_page64_no_overlap",
     "k3_page16_small",
-    "k3_page256",
 ]
 
 

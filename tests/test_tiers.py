@@ -328,3 +328,68 @@ def test_write_policies_copy_a_boundary_down_when_their_names_say(policy, at_lan
     lc.match("b", trace.prompt(0) + [5555], admit=True, prompt_len=17)  # the first hit
     lc.release_pin("b")
     assert (pol.tiers.counters.saves > landed) == bool(at_first_hit), pol.tiers.counters.saves
+
+
+class _GatedHost(HostStore):
+    """A real host store whose puts wait until ``gate`` is set: a slow tier (Mooncake over TCP)
+    made deterministic, so a test can look while a write is in flight."""
+
+    def __init__(self, budget: int) -> None:
+        import threading
+
+        super().__init__(budget)
+        self.gate = threading.Event()
+
+    def put(self, key, blob) -> bool:
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().put(key, blob)
+
+
+def test_a_queued_write_is_never_found_before_it_lands_and_the_device_may_change_meanwhile():
+    """Writes leave the caller's thread: ``save`` returns while the host tier's put waits. Until
+    the boundary object is in the store, ``find`` does not see it (invariant 2, applied to the
+    tiers). The save read the bytes off the device before it returned, so the device may free and
+    reuse them before the write lands, and what lands is what was saved: boundary B queues behind
+    A, whose put holds the one writer thread, and B's device KV is overwritten meanwhile."""
+    p = Pools(SEED, ckpt_slots=16)
+    host = _GatedHost(1 << 24)
+    mgr = TierManager([host], NS, p.io, write_queue_bytes=1 << 20)
+    first, toks = _tokens(200, seed=5), _tokens(300)
+    kv_a, kv = p.fresh_kv(200), p.fresh_kv(300)
+    saved = [layer[kv[:250]].clone() for layer in p.kv]
+    assert mgr.save(first, kv_a, 150, p.checkpoint(1))  # A: its put waits at the gate
+    assert mgr.save(toks, kv, 250, p.checkpoint(2), kind=4)  # B: queued behind A
+    request = toks[:280] + _tokens(20, seed=9)
+    assert mgr.holds(toks, 250)  # in flight: not to be written twice ...
+    assert mgr.find(request, floor=0, cap=len(request) - 1, device_kv=0) is None  # ... nor found yet
+    assert mgr.save(toks, kv, 250, p.checkpoint(2)) and mgr.counters.save_skips == 1
+    for layer in p.kv:
+        layer[kv] = 0  # B's device KV is freed and overwritten before its write lands
+    host.gate.set()
+    assert mgr.wait_writes()
+    plan = mgr.find(request, floor=0, cap=len(request) - 1, device_kv=0)
+    assert plan is not None and plan.pos == 250
+    new_kv = p.fresh_kv(250)
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, new_kv, h) == 4
+    for layer, ref in zip(p.kv, saved):
+        assert torch.equal(layer[new_kv], ref)
+    c = mgr.counters
+    assert (c.writes_queued, c.saves, c.save_dropped) == (2, 2, 0) and c.write_seconds > 0
+
+
+def test_a_save_never_waits_for_a_full_write_queue_it_is_dropped_and_counted():
+    p = Pools(SEED, ckpt_slots=16)
+    host = _GatedHost(1 << 24)
+    one = 250 * p.io.kv_token_bytes + p.io.state_bytes
+    mgr = TierManager([host], NS, p.io, write_queue_bytes=one + one // 2)  # room for one boundary
+    toks = _tokens(600)
+    kv = p.fresh_kv(600)
+    assert mgr.save(toks, kv, 250, p.checkpoint(1))
+    assert not mgr.save(toks[300:], kv[300:], 250, p.checkpoint(2))  # the queue is full: dropped
+    assert mgr.counters.save_dropped == 1 and not mgr.holds(toks[300:], 250)
+    host.gate.set()
+    assert mgr.wait_writes()
+    assert mgr.counters.saves == 1 and mgr.holds(toks, 250) and not mgr.holds(toks[300:], 250)
+    assert mgr.save(toks[300:], kv[300:], 250, p.checkpoint(2)) and mgr.wait_writes()  # room again
+    assert mgr.counters.saves == 2

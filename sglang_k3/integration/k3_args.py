@@ -193,6 +193,18 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "0.85-1.00 without), ignored without one; 0: off.",
     )
     g.add_argument(
+        "--k3-tier-write-queue-mib",
+        type=int,
+        default=K3Config.tier_write_queue_mib,
+        metavar="MIB",
+        help="k3 cache, with a lower tier: writes to the tiers leave the scheduler's thread. A save "
+        "copies the boundary's bytes off the device at once; one writer thread checksums them and "
+        "puts them into the host tier and Mooncake, and a boundary is found below only once its "
+        "write landed. At most MIB of writes are in flight (host memory on top of --k3-host-tier-gib): "
+        "a save beyond that is dropped and counted (tier_save_dropped), never waited for. Default "
+        "%(default)s; 0: every save writes before it returns, on the scheduler's thread.",
+    )
+    g.add_argument(
         "--k3-mooncake",
         action="store_true",
         help="k3 cache: add a Mooncake store as the L3 tier, below the host tier (or alone), shared "
@@ -255,6 +267,8 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         raise SystemExit("--k3-tier-park-interval must be a multiple of 64 (0: off)")
     if park and not (ns.k3_host_tier_gib > 0 or ns.k3_mooncake):
         raise SystemExit("--k3-tier-park-interval needs a lower tier (--k3-host-tier-gib or --k3-mooncake)")
+    if ns.k3_tier_write_queue_mib < 0:
+        raise SystemExit("--k3-tier-write-queue-mib must be >= 0 (0: synchronous writes)")
     if not (0 <= ns.k3_host_tier_gib < float("inf")):
         raise SystemExit("--k3-host-tier-gib must be a finite number >= 0")
     if (ns.k3_host_tier_gib > 0 or ns.k3_mooncake) and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
@@ -298,6 +312,7 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         tier_write_policy=ns.k3_tier_write_policy,
         mooncake=ns.k3_mooncake,
         tier_park_interval=K3Config.tier_park_interval if park is None else park,
+        tier_write_queue_mib=ns.k3_tier_write_queue_mib,
         admission_thresholds=tuple(ns.k3_admission_thresholds),
         admission_shares=tuple(ns.k3_admission_shares),
         admission_capacity_tokens=ns.k3_admission_capacity_tokens,

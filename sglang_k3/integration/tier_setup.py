@@ -56,4 +56,4 @@ def build_tiers(cfg: K3Config, ctx: Optional[TierContext], mla_pool, store) -> O
 
         largest = HEADER_BYTES + io.state_bytes + BLOCK_TOKENS * io.kv_token_bytes
         stores.append(MooncakeStore(load_config(), local_buffer_bytes=max(16 << 20, 4 * largest)))
-    return TierManager(stores, ns, io, cfg.tier_write_policy)
+    return TierManager(stores, ns, io, cfg.tier_write_policy, write_queue_bytes=cfg.tier_write_queue_mib << 20)

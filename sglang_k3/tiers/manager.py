@@ -20,6 +20,14 @@ device eviction (sglang#33713: here the eviction itself saves them), a host hit 
 state (#39830: key, layout and checksum are checked), and prefixes reported as hits that cannot
 restore (#39147: a hit is reported only after the state and all the KV loaded).
 
+**Writes leave the scheduler's thread** (``write_queue_bytes`` over 0, the server's default): a
+save reads the boundary's bytes off the device into its new objects at once (the device data is
+freed right after), and one writer thread seals them (checksums) and puts them into the tiers,
+blocks first, the boundary object last. A boundary is found by :meth:`TierManager.find` only once
+its object is in a store, so a boundary whose write has not landed is never matched from a lower
+tier. A save never waits: when the writes in flight already hold ``write_queue_bytes``, it is
+dropped and counted (``tier_save_dropped``); the device's copy was going anyway.
+
 The bytes are moved by a :class:`TierIO` the host provides (:mod:`sglang_k3.tiers.torch_io` for
 SGLang's pools): KV is read and written token-major, ``kv_token_bytes`` per token, so a block is
 sliced at any token. A save has the IO write straight into the new objects' payloads and a load
@@ -29,6 +37,7 @@ hands it the stored payloads as they are: no byte is copied on the host besides 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Optional, Protocol, Sequence
@@ -90,7 +99,10 @@ class TierCounters:
     save_skips: int = 0  # already there
     save_failures: int = 0  # a tier refused a part (full): that tier did not get the boundary
     saved_kv_blocks: int = 0
-    save_seconds: float = 0.0
+    save_seconds: float = 0.0  # on the caller's thread: keys, lookups, the read off the device
+    save_dropped: int = 0  # not written: the writes in flight already held the queue's bytes
+    writes_queued: int = 0  # saves handed to the writer thread
+    write_seconds: float = 0.0  # sealing and putting, in the writer thread (or inline when synchronous)
     lookups: int = 0  # admissions that looked below the device
     found: int = 0  # a boundary deeper than the device's was found
     find_seconds: float = 0.0  # hashing the prompt and asking the tiers
@@ -122,7 +134,10 @@ class TierManager:
         io: TierIO,
         write_policy: str = "write_back",
         block: int = BLOCK_TOKENS,
+        write_queue_bytes: int = 0,
     ) -> None:
+        """``write_queue_bytes``: 0 writes each save before it returns; over 0, one writer thread
+        writes, with at most this many bytes in flight (a save beyond it is dropped)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"tier write policy {write_policy!r}: choose one of {', '.join(WRITE_POLICIES)}")
         if not stores:
@@ -139,6 +154,11 @@ class TierManager:
         # boundary that lies in a lower tier is copied into the host tier by one background
         # thread, so its admission loads from host memory; admission never waits for it.
         self._executor = None
+        self.write_queue_bytes = write_queue_bytes
+        self._writer = None
+        self._writing: dict[str, int] = {}  # boundary key -> bytes, while its write is queued or running
+        self._writing_bytes = 0
+        self._write_lock = threading.Lock()
         self._inflight: dict[str, float] = {}  # boundary key -> start of its copy
         self._prefetched: dict[str, float] = {}  # copied up, not loaded yet (oldest first, bounded)
 
@@ -146,13 +166,18 @@ class TierManager:
     def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
         """Write the boundary after ``pos`` tokens (state in ``handle``, KV of ``tokens[:pos]`` at
         ``kv``) to every tier that does not hold it. The device data must still be valid (call
-        before the KV and the handle are freed). Returns whether some tier holds it now."""
+        before the KV and the handle are freed). Returns whether some tier holds it now, or will
+        once its queued write lands."""
         if pos <= 0 or len(kv) < pos or len(tokens) < pos:
             raise ValueError(f"boundary {pos} needs {pos} tokens and KV indices")
         t0 = time.perf_counter()
         B = self.block
         hashes = block_hashes(tokens, pos, B)
         bkey = boundary_key(self.ns, tokens, pos, hashes, B)
+        if bkey in self._writing:  # a write of this boundary is in flight already
+            self.counters.save_skips += 1
+            self.counters.save_seconds += time.perf_counter() - t0
+            return True
         keys = [kv_block_key(self.ns, h) for h in hashes]
         todo = []  # (store, missing block indices) for every store that lacks the boundary
         for store in self.stores:
@@ -160,41 +185,87 @@ class TierManager:
                 continue
             todo.append((store, [k for k, there in enumerate(store.exists(keys)) if not there]))
         held = len(todo) < len(self.stores)
+        if not todo:
+            self.counters.save_skips += 1
+            self.counters.save_seconds += time.perf_counter() - t0
+            return True
+        # one read for everything any tier lacks, straight into the objects: the missing blocks
+        # and the boundary (its state and the KV past the last whole block)
+        need = sorted({k for _, missing in todo for k in missing})
+        nb, tb = len(hashes), self.io.kv_token_bytes
+        nbytes = (len(need) * B + pos - nb * B) * tb + self.io.state_bytes
+        if self.write_queue_bytes and self._writing_bytes + nbytes > self.write_queue_bytes:
+            self.counters.save_dropped += 1  # never wait for the writer: this copy is not kept below
+            self.counters.save_seconds += time.perf_counter() - t0
+            return held
+        rows = [i for k in need for i in kv[k * B : (k + 1) * B]] + list(kv[nb * B : pos])
+        blanks = {k: self._blank(0, B * tb) for k in need}
+        tail = self._blank(self.io.state_bytes, (pos - nb * B) * tb)
+        self.io.read_kv(rows, [blanks[k].kv for k in need] + [tail.kv])
+        self.io.read_state(handle, tail.state)
+        meta = (pos, nb, int(kind))
+        if not self.write_queue_bytes:
+            self.counters.save_seconds += time.perf_counter() - t0
+            wrote = self._write(todo, keys, blanks, bkey, tail, meta)
+            if not wrote and held:
+                self.counters.save_skips += 1
+            return wrote or held
+        with self._write_lock:
+            self._writing[bkey] = nbytes
+            self._writing_bytes += nbytes
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
+        self.counters.writes_queued += 1
+        self._writer.submit(self._write, todo, keys, blanks, bkey, tail, meta)
+        self.counters.save_seconds += time.perf_counter() - t0
+        return True
+
+    def _write(self, todo, keys, blanks, bkey: str, tail, meta) -> bool:
+        """Seal the objects a save read and put them into every tier in ``todo``, the boundary
+        object last (in the writer thread, or inline when writes are synchronous)."""
+        t0 = time.perf_counter()
+        pos, nb, kind = meta
+        B, c = self.block, self.counters
         wrote = False
-        if todo:
-            # one read for everything any tier lacks, straight into the objects: the missing blocks
-            # and the boundary (its state and the KV past the last whole block)
-            need = sorted({k for _, missing in todo for k in missing})
-            nb, tb = len(hashes), self.io.kv_token_bytes
-            rows = [i for k in need for i in kv[k * B : (k + 1) * B]] + list(kv[nb * B : pos])
-            blanks = {k: self._blank(0, B * tb) for k in need}
-            tail = self._blank(self.io.state_bytes, (pos - nb * B) * tb)
-            self.io.read_kv(rows, [blanks[k].kv for k in need] + [tail.kv])
-            self.io.read_state(handle, tail.state)
+        try:
             block = {k: codec.seal(b, keys[k], codec.KV_BLOCK, (k + 1) * B, B) for k, b in blanks.items()}
-            blob = codec.seal(tail, bkey, codec.BOUNDARY, pos, pos - nb * B, int(kind))
+            blob = codec.seal(tail, bkey, codec.BOUNDARY, pos, pos - nb * B, kind)
             for store, missing in todo:
                 ok = True
                 for k in missing:
                     if not store.put(keys[k], block[k]):
                         ok = False
                         break
-                    self.counters.saved_kv_blocks += 1
+                    c.saved_kv_blocks += 1
                 if ok and store.put(bkey, blob):
-                    held = wrote = True
+                    wrote = True
                 else:
-                    self.counters.save_failures += 1
-        if wrote:
-            self.counters.saves += 1
-        elif held:
-            self.counters.save_skips += 1
-        self.counters.save_seconds += time.perf_counter() - t0
-        return held
+                    c.save_failures += 1
+            if wrote:
+                c.saves += 1
+        except Exception:
+            c.save_failures += 1
+            logger.exception("k3 tier: writing the boundary %s failed; it is not kept below", bkey)
+        finally:
+            c.write_seconds += time.perf_counter() - t0
+            with self._write_lock:
+                self._writing_bytes -= self._writing.pop(bkey, 0)
+        return wrote
+
+    def wait_writes(self, timeout: float = 30.0) -> bool:
+        """Block until no write is queued or running (tests, shutdown); False on timeout."""
+        deadline = time.perf_counter() + timeout
+        while self._writing and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        return not self._writing
 
     def holds(self, tokens: Sequence[int], pos: int) -> bool:
-        """Whether some tier holds the boundary object after ``pos`` tokens (its KV unchecked)."""
+        """Whether some tier holds the boundary object after ``pos`` tokens (its KV unchecked), or
+        its write is in flight (not to be written twice; :meth:`find` does not see it yet)."""
         key = boundary_key(self.ns, tokens, pos, block_hashes(tokens, pos, self.block), self.block)
-        return any(store.exists([key])[0] for store in self.stores)
+        return key in self._writing or any(store.exists([key])[0] for store in self.stores)
 
     # ------------------------------------------------------------------ find / load
     def find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
