@@ -333,3 +333,38 @@ def test_the_paged_allocator_evicts_checkpoints_for_pages():
     assert out is not None and len(out) == want and led.counters.reclaims >= 1
     assert [int(t) % page for t in out[:page]] == list(range(page))
     led.check()
+
+
+def test_a_hit_whose_checkpoint_holds_the_last_state_slot_is_retaken_not_a_crash():
+    """The live tier A/B's Mooncake server stopped on "no KDA state slot free for a cache hit":
+    SGLang's count left one state slot free, but its blocks were borrowed by checkpoints, one of
+    them the very checkpoint the hit restores from (pinned by the match), and every other block
+    held KV in use. Here: one request row, KV in use everywhere outside the active region, and the
+    region's blocks full of checkpoints on that path. The hit lets go, the request takes the slot,
+    and it is matched again holding it (a miss here: its checkpoints had to go)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=1)
+    led = cache.ledger
+    assert led.active_reserve == 1
+    n = led.kv_available()
+    path = list(range(1, n + 1))
+    ins = cache.lifecycle.insert(path, alloc.alloc(n).tolist())
+    cache.tree.inc_lock_ref(ins.node)  # its KV is in use (a running request's): it cannot go
+    pos = n
+    while led.ckpt_has_room():  # checkpoints fill the region, the only blocks left
+        cache.tree.add_checkpoint(ins.node, pos, [cache.store.alloc()], cache.store.slot_bytes, ready=True)
+        pos -= 1
+    assert led.free_blocks() == 0 and led.free_slots() == 0 and cache.tree.checkpoint_count() > 0
+    req = Req("hit", "", array("q", path + [7, 7, 7]), SamplingParams(max_new_tokens=4))
+    out = cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), cow_mamba=True, req=req))
+    assert cache.hits_retaken_for_slot == 1
+    assert req.kv.holds_mamba and led.active_count() == 1  # the request holds the region's slot
+    assert out.device_prefix_len == 0 and req.kv.mamba_needs_clear  # its checkpoints went: a fresh state
+    assert cache.mamba_protected_size() == 0  # no pin is left behind
+    led.check()

@@ -82,6 +82,7 @@ class K3RadixCache(BasePrefixCache):
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
         self.matches_not_admitted = 0  # matched in a prefill loop, then not admitted (match_not_admitted)
+        self.hits_retaken_for_slot = 0  # hits let go so the request could take a state slot
         self._evicted_at_refresh = 0  # the tree's evictions when the waiting queue was last refreshed
         self.eviction_refresh = False  # True during a refresh k3 asked for (refresh_waiting_now)
         self.slots = SlotPool(self.req_to_token_pool, self._evict_slots)
@@ -166,6 +167,8 @@ class K3RadixCache(BasePrefixCache):
         if req is not None:
             try:
                 self._cow_into_request(req, res.handles[0])
+            except NoStateSlot:
+                return self._match_after_taking_a_slot(params, miss)
             except BaseException:
                 self.lifecycle.release_pin(req.rid)
                 raise
@@ -260,11 +263,32 @@ class K3RadixCache(BasePrefixCache):
         if not req.kv.holds_mamba:
             dst = self.slots.alloc()
             if dst is None:
-                raise RuntimeError("k3 cache: no KDA state slot free for a cache hit")
+                raise NoStateSlot(req.rid)
             req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
         src = self.store.restore(handle, req.rid, int(req.kv.mamba_pool_idx))
         req.kv.mamba_cow_src_index = None if src is None else self.slots.index_tensor(src)
         req.kv.mamba_needs_clear = False
+
+    def _match_after_taking_a_slot(self, params: MatchPrefixParams, miss: MatchResult) -> MatchResult:
+        """A hit found no state slot for its copy: with unified memory, the only slot SGLang's
+        count left free can be held by checkpoints that cannot go while pinned, the very one the
+        hit restores from among them (a tier promotion or a fresh store put it in the last free
+        blocks, and free memory elsewhere is in runs too short for a state). Measured: the live
+        tier A/B's Mooncake server stopped here. So the hit lets go of its pin, the request takes
+        the slot (evicting what borrowed it, now free to go) and is matched again, once, holding
+        it: it restores from what is left, or recomputes, instead of stopping the server
+        (``hits_retaken_for_slot``). Without a slot even then, it is a miss and SGLang's own slot
+        allocation follows."""
+        req = params.req
+        self.lifecycle.release_pin(req.rid)
+        self.hits_retaken_for_slot += 1
+        dst = self.slots.alloc()
+        if dst is None:
+            logger.warning("k3 cache: no KDA state slot for request %s even after its hit let go; a miss", req.rid)
+            return miss
+        req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
+        req.kv.mamba_needs_clear = True  # a fresh state unless the second match restores into it
+        return self.match_prefix(params)
 
     # ---------------------------------------------------------------- locks and paths
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -524,6 +548,10 @@ class K3RadixCache(BasePrefixCache):
 
     def pretty_print(self) -> None:
         print(f"k3 radix cache: {self.stats_dict()}")
+
+
+class NoStateSlot(RuntimeError):
+    """No KDA state slot could be had for a request's cache hit."""
 
 
 def _eviction_policy(hf_config: Optional[dict]) -> EvictionPolicy:

@@ -126,6 +126,10 @@ COUNTERS: dict[str, str] = {
     "kv_page_copies": (
         "Restores inside a KV page: the prefix's slots in that page copied to a page of the request's own."
     ),
+    "hits_retaken_for_slot": (
+        "Hits let go because no state slot was free for their copy (the last one held by pinned checkpoints): "
+        "the request took a slot and was matched again."
+    ),
     "matches_not_admitted": (
         "Requests matched while a prefill batch was filled, then not admitted (no room): their pinned hits released."
     ),
@@ -219,6 +223,7 @@ def cache_stats(cache) -> dict[str, Any]:
         deferred_restores=restores.restored,
         kv_page_copies=cache.kv_page_copies,
         matches_not_admitted=cache.matches_not_admitted,
+        hits_retaken_for_slot=cache.hits_retaken_for_slot,
     )
     d.update(memory_split(cache))
     return d
