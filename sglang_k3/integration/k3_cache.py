@@ -260,11 +260,8 @@ class K3RadixCache(BasePrefixCache):
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``handle`` when its
         next forward reads it (the checkpoint stays pinned until then)."""
-        if not req.kv.holds_mamba:
-            dst = self.slots.alloc()
-            if dst is None:
-                raise NoStateSlot(req.rid)
-            req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
+        if not req.kv.holds_mamba and not self._give_slot(req):
+            raise NoStateSlot(req.rid)
         src = self.store.restore(handle, req.rid, int(req.kv.mamba_pool_idx))
         req.kv.mamba_cow_src_index = None if src is None else self.slots.index_tensor(src)
         req.kv.mamba_needs_clear = False
@@ -282,13 +279,19 @@ class K3RadixCache(BasePrefixCache):
         req = params.req
         self.lifecycle.release_pin(req.rid)
         self.hits_retaken_for_slot += 1
-        dst = self.slots.alloc()
-        if dst is None:
+        if not self._give_slot(req):
             logger.warning("k3 cache: no KDA state slot for request %s even after its hit let go; a miss", req.rid)
             return miss
-        req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
         req.kv.mamba_needs_clear = True  # a fresh state unless the second match restores into it
         return self.match_prefix(params)
+
+    def _give_slot(self, req) -> bool:
+        """A free state slot (evicting checkpoints if need be) becomes ``req``'s; False if none."""
+        dst = self.slots.alloc()
+        if dst is None:
+            return False
+        req.kv.mamba_pool_idx = torch.tensor(dst, dtype=torch.int64, device=self.slots.device)
+        return True
 
     # ---------------------------------------------------------------- locks and paths
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:

@@ -67,20 +67,21 @@ def unified_of(req_to_token_pool) -> Optional[UnifiedMemory]:
     return getattr(req_to_token_pool, _ATTR, None)
 
 
-class UnifiedKVAllocator(TokenToKVPoolAllocator):
-    """SGLang's page-1 KV allocator, drawing tokens from the unified budget's KV blocks.
-
-    Its capacity counts the blocks evicting checkpoints would free (``reclaimable_blocks``, set by
-    the k3 cache), and ``alloc`` evicts them when it must: SGLang admits a prefill only if
+class _LedgerKV:
+    """What SGLang's two KV allocators share over the unified budget: their capacity counts the
+    blocks evicting checkpoints would free (``reclaimable_blocks``, set by the k3 cache), and
+    taking KV evicts them when it must (``evict_for_kv``): SGLang admits a prefill only if
     ``available_size()`` plus the tree's evictable KV covers it, and knows nothing of checkpoints,
-    so a budget full of checkpoints would otherwise look full to it forever."""
+    so a budget full of checkpoints would otherwise look full to it forever. KV is taken in pages
+    (tokens at page 1)."""
 
-    def __init__(self, ledger: BlockLedger, dtype: torch.dtype, device, kvcache) -> None:
+    ledger: BlockLedger
+    page_size: int
+
+    def _attach(self, ledger: BlockLedger) -> None:
         self.ledger = ledger
         self.reclaimable_blocks: Callable[[], int] = lambda: 0  # set by the k3 cache
         self.evict_for_kv: Optional[Callable[[int], None]] = None  # set by the k3 cache
-        # the base sets page_size, dtype, device, the KV cache and the free-group state
-        super(TokenToKVPoolAllocator, self).__init__(0, 1, dtype, device, kvcache, False)
 
     def _extra(self) -> int:
         """KV tokens that evicting checkpoints would make allocatable (beyond the reserve)."""
@@ -97,18 +98,36 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
     def size(self, _value: int) -> None:
         """The base class assigns it once; the ledger's KV side is the size."""
 
+    def available_size(self) -> int:
+        return self.ledger.kv_available() + self._extra()
+
+    def merge_and_sort_free(self) -> None:
+        """Nothing to merge: frees reach the ledger at once."""
+
+    def _take_pages(self, n: int) -> Optional[list[int]]:
+        """``n`` pages from the ledger, evicting checkpoints by value until their blocks are free
+        when SGLang was told eviction would make the room; None when it cannot."""
+        got = self.ledger.kv_alloc_pages(n)
+        if got is None and self.evict_for_kv is not None and n * self.page_size <= self.available_size():
+            self.evict_for_kv(n * self.page_size)
+            got = self.ledger.kv_alloc_pages(n)
+        return got
+
+
+class UnifiedKVAllocator(_LedgerKV, TokenToKVPoolAllocator):
+    """SGLang's page-1 KV allocator, drawing tokens from the unified budget's KV blocks."""
+
+    def __init__(self, ledger: BlockLedger, dtype: torch.dtype, device, kvcache) -> None:
+        self._attach(ledger)
+        # the base sets page_size, dtype, device, the KV cache and the free-group state
+        super(TokenToKVPoolAllocator, self).__init__(0, 1, dtype, device, kvcache, False)
+
     def clear(self) -> None:
         self.ledger.clear()  # SGLang clears both allocators at a flush, after the cache's reset
         self.free_group = None
 
-    def available_size(self) -> int:
-        return self.ledger.kv_available() + self._extra()
-
     def alloc(self, need_size: int):
-        got = self.ledger.kv_alloc(need_size)
-        if got is None and self.evict_for_kv is not None and need_size <= self.available_size():
-            self.evict_for_kv(need_size)  # checkpoints go, by value, until their blocks are free
-            got = self.ledger.kv_alloc(need_size)
+        got = self._take_pages(need_size)  # at page 1 a page is a token
         if got is None:
             return None
         return torch.tensor(got, dtype=torch.int64, device=self.device)
@@ -124,18 +143,14 @@ class UnifiedKVAllocator(TokenToKVPoolAllocator):
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
         self.free(page_ids)
 
-    def merge_and_sort_free(self) -> None:
-        """Nothing to merge: frees reach the ledger at once."""
 
-
-class UnifiedPagedKVAllocator(PagedTokenToKVPoolAllocator):
+class UnifiedPagedKVAllocator(_LedgerKV, PagedTokenToKVPoolAllocator):
     """SGLang's paged KV allocator (``--page-size`` over 1), drawing whole pages from the unified
     budget's KV blocks (a block holds ``pages_per_block`` pages; page ``q`` is tokens
     ``[q * p, (q + 1) * p)``). SGLang's own ``alloc_extend`` / ``alloc_decode`` place the tokens
     (the Triton kernels on a GPU, the torch ones on CPU): before each, exactly the pages the batch
     needs are taken from the ledger and handed to them as the free list, so the free list is
-    always empty between calls and the ledger is the only record of which page is free. Capacity
-    and eviction are as in :class:`UnifiedKVAllocator`."""
+    always empty between calls and the ledger is the only record of which page is free."""
 
     def __init__(self, ledger: BlockLedger, page_size: int, dtype: torch.dtype, device, kvcache) -> None:
         if ledger.geom.kv_page != page_size:
@@ -143,18 +158,13 @@ class UnifiedPagedKVAllocator(PagedTokenToKVPoolAllocator):
                 f"sglang-k3 unified memory: the ledger's blocks hold pages of {ledger.geom.kv_page} tokens, "
                 f"SGLang's allocator pages of {page_size}"
             )
-        self.ledger = ledger
-        self.reclaimable_blocks: Callable[[], int] = lambda: 0  # set by the k3 cache
-        self.evict_for_kv: Optional[Callable[[int], None]] = None  # set by the k3 cache
+        self._attach(ledger)
         # the base sets page_size, dtype, device, the KV cache and the free-group state; the paged
         # constructor's page table (num_pages, free_pages) is the ledger here
         BaseTokenToKVPoolAllocator.__init__(self, 0, page_size, dtype, device, kvcache, False)
         self.debug_mode = False
         self.use_triton_kernels = current_platform.capabilities.supports_triton  # as SGLang's own decides
         self.clear()
-
-    _extra = UnifiedKVAllocator._extra
-    size = UnifiedKVAllocator.size
 
     def clear(self) -> None:
         self.ledger.clear()
@@ -163,19 +173,6 @@ class UnifiedPagedKVAllocator(PagedTokenToKVPoolAllocator):
         self.free_page_ids_group = []
         self.staged_pages = []
         self.num_staged_pages = 0
-
-    def available_size(self) -> int:
-        return self.ledger.kv_available() + self._extra()
-
-    def merge_and_sort_free(self) -> None:
-        """Nothing to merge: frees reach the ledger at once."""
-
-    def _take_pages(self, n: int) -> Optional[list[int]]:
-        got = self.ledger.kv_alloc_pages(n)
-        if got is None and self.evict_for_kv is not None and n * self.page_size <= self.available_size():
-            self.evict_for_kv(n * self.page_size)  # checkpoints go, by value, until their blocks are free
-            got = self.ledger.kv_alloc_pages(n)
-        return got
 
     def _lend(self, pages: list[int]) -> None:
         """Hand ``pages`` to SGLang's placement code as its free list, which takes exactly them."""

@@ -171,12 +171,40 @@ class TierManager:
         if pos <= 0 or len(kv) < pos or len(tokens) < pos:
             raise ValueError(f"boundary {pos} needs {pos} tokens and KV indices")
         t0 = time.perf_counter()
+        try:
+            read = self._read_for_save(tokens, kv, pos, handle, kind)
+        finally:
+            self.counters.save_seconds += time.perf_counter() - t0
+        if isinstance(read, bool):
+            return read  # decided without a write: held already, in flight, or dropped
+        job, held, nbytes = read
+        if not self.write_queue_bytes:
+            wrote = self._write(*job)
+            if not wrote and held:
+                self.counters.save_skips += 1
+            return wrote or held
+        bkey = job[3]
+        with self._write_lock:
+            self._writing[bkey] = nbytes
+            self._writing_bytes += nbytes
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
+        self.counters.writes_queued += 1
+        self._writer.submit(self._write, *job)
+        return True
+
+    def _read_for_save(self, tokens, kv, pos: int, handle: int, kind: int):
+        """The caller's part of a save: find what each tier lacks and read it off the device into
+        new objects. Returns the write job ``(args of _write, held, bytes)``, or a bool when no
+        write follows (True: some tier holds the boundary or its write is in flight; else whether
+        one holds it though the queue was full)."""
         B = self.block
         hashes = block_hashes(tokens, pos, B)
         bkey = boundary_key(self.ns, tokens, pos, hashes, B)
         if bkey in self._writing:  # a write of this boundary is in flight already
             self.counters.save_skips += 1
-            self.counters.save_seconds += time.perf_counter() - t0
             return True
         keys = [kv_block_key(self.ns, h) for h in hashes]
         todo = []  # (store, missing block indices) for every store that lacks the boundary
@@ -187,7 +215,6 @@ class TierManager:
         held = len(todo) < len(self.stores)
         if not todo:
             self.counters.save_skips += 1
-            self.counters.save_seconds += time.perf_counter() - t0
             return True
         # one read for everything any tier lacks, straight into the objects: the missing blocks
         # and the boundary (its state and the KV past the last whole block)
@@ -196,31 +223,13 @@ class TierManager:
         nbytes = (len(need) * B + pos - nb * B) * tb + self.io.state_bytes
         if self.write_queue_bytes and self._writing_bytes + nbytes > self.write_queue_bytes:
             self.counters.save_dropped += 1  # never wait for the writer: this copy is not kept below
-            self.counters.save_seconds += time.perf_counter() - t0
             return held
         rows = [i for k in need for i in kv[k * B : (k + 1) * B]] + list(kv[nb * B : pos])
         blanks = {k: self._blank(0, B * tb) for k in need}
         tail = self._blank(self.io.state_bytes, (pos - nb * B) * tb)
         self.io.read_kv(rows, [blanks[k].kv for k in need] + [tail.kv])
         self.io.read_state(handle, tail.state)
-        meta = (pos, nb, int(kind))
-        if not self.write_queue_bytes:
-            self.counters.save_seconds += time.perf_counter() - t0
-            wrote = self._write(todo, keys, blanks, bkey, tail, meta)
-            if not wrote and held:
-                self.counters.save_skips += 1
-            return wrote or held
-        with self._write_lock:
-            self._writing[bkey] = nbytes
-            self._writing_bytes += nbytes
-        if self._writer is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
-        self.counters.writes_queued += 1
-        self._writer.submit(self._write, todo, keys, blanks, bkey, tail, meta)
-        self.counters.save_seconds += time.perf_counter() - t0
-        return True
+        return (todo, keys, blanks, bkey, tail, (pos, nb, int(kind))), held, nbytes
 
     def _write(self, todo, keys, blanks, bkey: str, tail, meta) -> bool:
         """Seal the objects a save read and put them into every tier in ``todo``, the boundary
