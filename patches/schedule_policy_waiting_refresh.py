@@ -5,7 +5,7 @@ of the first 128 waiting requests, head last, so that LRU eviction spares what t
 will hit; it does so at one ``calc_priority`` call in 32 (``WAITING_PREFIX_REFRESH_INTERVAL``).
 The k3 tree reads more from a refresh than recency: which checkpoints the queue will restore
 from and in what order, and eviction takes those last, the queue's tail first
-(:func:`sglang_k3.cache.retention.rank`). ``calc_priority`` runs when a prefill batch may be
+(:func:`sglang_k3.cache.ranking.rank`). ``calc_priority`` runs when a prefill batch may be
 formed, that is when a running request finished and made room, so with a full running batch a
 refresh every 32nd call is many finished turns late: their next turns sit in the queue unknown,
 and the order eviction reads is stale. Around the method, when the cache is k3 and it evicted

@@ -11,7 +11,7 @@ from sglang_k3.cache import CheckpointKind as K
 from sglang_k3.cache import EvictionPolicy
 from sglang_k3.cache.block_ledger import BlockLedger, plan_geometry
 from sglang_k3.cache.build import build_lifecycle
-from sglang_k3.cache.retention import Candidate, rank
+from sglang_k3.cache.ranking import Candidate, rank
 from sglang_k3.config import K3Config
 from tests.test_lifecycle import IntStore, _turn
 

@@ -3,7 +3,7 @@
 from int_pools import IntPool
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, preset
-from sglang_k3.cache.retention import Candidate, rank
+from sglang_k3.cache.ranking import Candidate, rank
 
 
 def build(alpha=1.0, cost=None, page=1):

@@ -4,9 +4,9 @@ from sglang_k3.cache.actions import CacheAction, DropReason, Freed, FreeKV, Rele
 from sglang_k3.cache.cost_model import PRESETS, ModelCostConfig, preset
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
+from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.registry import CheckpointBusy
 from sglang_k3.cache.results import InsertResult, MatchResult, Pin
-from sglang_k3.cache.retention import EvictionPolicy
 from sglang_k3.cache.stats import CacheStats, MatchRecord
 from sglang_k3.cache.tree import K3RadixTree
 

@@ -15,7 +15,7 @@ from sglang_k3.cache.ghosts import ReuseLearner
 from sglang_k3.cache.lifecycle import CacheLifecycle
 from sglang_k3.cache.placement import PlacementPolicy
 from sglang_k3.cache.ports import CheckpointStore, TierPort
-from sglang_k3.cache.retention import EvictionPolicy
+from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.tree import K3RadixTree
 
 # The KDA kernel's chunk: prefills export states at its multiples (the grid k3's restore points

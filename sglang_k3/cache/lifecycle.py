@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sglang_k3.cache.actions import ActionExecutor, Freed
+from sglang_k3.cache.eviction_verbs import EvictionVerbs
 from sglang_k3.cache.ghosts import ReuseLearner
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
 from sglang_k3.cache.placement import PlacementPolicy
@@ -81,7 +82,7 @@ class LifecycleCounters:
     unkeyed_state_skips: int = 0  # live states not stored: the boundary ends inside a KV page
 
 
-class CacheLifecycle:
+class CacheLifecycle(EvictionVerbs):
     def __init__(
         self,
         tree: K3RadixTree,
@@ -422,75 +423,6 @@ class CacheLifecycle:
             self.bridge.save(ck)
         attached = node is self.tree.root or node.parent is not None  # not trimmed away meanwhile
         self._apply(self.tree.recycle_path(node if attached else ck.node, self.placement))
-
-    # ------------------------------------------------------------------ eviction
-    def _apply(self, freed: Freed) -> Freed:
-        """Carry out what the tree gave back (:class:`~sglang_k3.cache.actions.ActionExecutor`):
-        demotions first, then checkpoint handles to the store and KV to the KV pool."""
-        return self.executor.run(freed)
-
-    def evict(self, num_tokens: int = 0, num_bytes: int = 0, spare_wanted: bool = False) -> Freed:
-        """Free at least ``num_bytes`` of checkpoints and ``num_tokens`` of KV where possible
-        (``spare_wanted``: as in :meth:`evict_until`)."""
-        if num_bytes > 0:
-            self._release_done_pins()
-        return self._apply(self.tree.evict(num_tokens=num_tokens, num_bytes=num_bytes, spare_wanted=spare_wanted))
-
-    def evict_handles(self, handles: Sequence[int]) -> Freed:
-        """Evict exactly the checkpoints holding ``handles`` (e.g. the ones in a block the host
-        needs back), all or nothing: if any of them is pinned or its copy has not landed, none
-        goes."""
-        cks = self._owners(handles)
-        if any(not self.tree.checkpoint_evictable(ck) for ck in cks):
-            return Freed()
-        self._release_done_pins()
-        freed = Freed()
-        for ck in cks:
-            freed.extend(self.tree.evict_checkpoint(ck))
-        return self._apply(freed)
-
-    def _owners(self, handles: Sequence[int]) -> list[Checkpoint]:
-        """The checkpoints holding ``handles``, each once (a checkpoint may hold several)."""
-        cks = {id(ck): ck for ck in (self.tree.checkpoint_of(h) for h in handles) if ck is not None}
-        return list(cks.values())
-
-    def rank_handle_groups(self, groups: Sequence[Sequence[int]]) -> list[list[int]]:
-        """Of ``groups`` of checkpoint handles (each freeing memory only as a whole, e.g. the
-        handles in one state slot's blocks), those :meth:`evict_handles` can take now, least
-        valuable first by the tree's price of their checkpoints."""
-        owners = [self._owners(hs) for hs in groups]
-        return [[h for ck in g for h in ck.held_handles()] for g in self.tree.rank_checkpoint_groups(owners)]
-
-    def evict_until(
-        self,
-        done: Callable[[], bool],
-        step_bytes: int,
-        keep_checkpoints: int = 0,
-        group: Optional[Callable[[Checkpoint], int]] = None,
-        spare_wanted: bool = False,
-    ) -> Freed:
-        """For a budget KV and checkpoints share: evict the least valuable of both, about
-        ``step_bytes`` at a time (:meth:`K3RadixTree.evict_ranked`; ``group`` makes checkpoints
-        that share a block go together), executing each batch's frees, until ``done()`` says the
-        memory asked for is there or nothing more can go.
-
-        ``spare_wanted``: no checkpoint a waiting request wants goes. Room for a new checkpoint
-        asks this. A queued request's want is a known next use; a new state's use is a guess
-        (a prompt end is superseded a few decode steps later; a generation end serves a next
-        turn not yet queued, so it comes after every queued one). Evicting the known for the
-        guess is what Belady's MIN never does: it bypasses the new one instead. Seen on the live
-        A/B's ``multiturn`` under ``--pressure``: the prompt-end states of the running batch
-        evicted the turn-end states of the next queued turns, which then missed."""
-        total = Freed()
-        if done():
-            return total
-        self._release_done_pins()
-        while not done():
-            freed = self._apply(self.tree.evict_ranked(max(1, step_bytes), keep_checkpoints, group, spare_wanted))
-            if not freed.actions:
-                break
-            total.extend(freed)
-        return total
 
     def reset(self) -> Freed:
         """Drop the tree and every request's record. The caller's pools are cleared by the host

@@ -51,10 +51,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.ghosts import MissCounts, ReuseLearner
+from sglang_k3.cache.invariants import check_tree
 from sglang_k3.cache.node import Checkpoint, Node
+from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.registry import CheckpointRegistry
 from sglang_k3.cache.results import InsertResult, MatchResult
-from sglang_k3.cache.retention import EvictionPolicy, Retention
+from sglang_k3.cache.retention import Retention
 from sglang_k3.cache.stats import CacheStats, MatchRecord
 
 
@@ -490,42 +492,6 @@ class K3RadixTree(Retention, CheckpointRegistry):
 
     # ------------------------------------------------------------------ self-check
     def check_invariants(self) -> None:
-        """Recompute everything from scratch and assert the incremental state agrees (tests)."""
-        seen_kv: set[int] = set()
-        seen_h: dict[int, Checkpoint] = {}
-        ev = pr = nck = nbytes = 0
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            for head, c in n.children.items():
-                assert c.parent is n and c.start == n.end and len(c.key) > 0, c
-                assert tuple(c.key[: self.page_size]) == head and len(c.key) == len(c.kv)
-                assert not self._ragged(c) or c.is_leaf, c  # only a leaf may end inside a page
-                assert 0 <= c.lock_ref <= n.lock_ref or n is self.root, (n, c)
-                stack.append(c)
-            assert n.ragged == sum(map(self._ragged, n.children.values())), n
-            if n is self.root:
-                continue
-            assert n.lock_ref >= 0
-            for i in n.kv:
-                assert i not in seen_kv, f"KV index {i} held twice"
-                seen_kv.add(i)
-            if n.lock_ref:
-                pr += self._slots(n)
-            else:
-                ev += self._slots(n)
-            for pos, ck in n.checkpoints.items():
-                assert ck.pos == pos and ck.node is n and n.start < pos <= n.end and pos % self.hit_unit == 0
-                assert ck.pins >= 0 and (ck.pins == 0 or n.lock_ref >= ck.pins)
-                assert ck.ready or ck.id in self._pending
-                nck += 1
-                nbytes += ck.nbytes
-                for h in ck.held_handles():
-                    assert h not in seen_h, f"handle {h} held twice"
-                    seen_h[h] = ck
-        assert (ev, pr) == (self._evictable_tokens, self._protected_tokens), (ev, pr)
-        assert nck == len(self._ckpts) == self.stats.checkpoints and nbytes == self.stats.checkpoint_bytes
-        assert seen_h == self._handle_owner
-        stuck = {c.id for c in self._ckpts.values() if not self.checkpoint_evictable(c)}
-        assert stuck == self._stuck and self._stuck_bytes == sum(self._ckpts[i].nbytes for i in stuck)
-        assert self._stuck_free == {i for i in stuck if not self._ckpts[i].node.lock_ref}
+        """Recompute everything from scratch and assert the incremental state agrees (tests):
+        :func:`~sglang_k3.cache.invariants.check_tree`."""
+        check_tree(self)
