@@ -15,6 +15,8 @@
 #   differential  benchmarks.noise_differential: k3 fp32, k3 int8 and upstream against cache-off,
 #                 judged against the bf16 noise floor of the same run, plus a deliberately corrupted
 #                 int8 restore (--stagger: the reference first, so the rest find its Triton kernels).
+#                 Its model has long-memory KDA heads (ND_DECAY, below); ND_EXTRA adds server flags
+#                 (ND_EXTRA="--page-size 64").
 #   ab            benchmarks.live_ab with three servers (k3 at its defaults, upstream at its real
 #                 default: extra_buffer, overlap on, its Python tree core; cache off): multi-turn
 #                 conversations of a few thousand tokens that branch at their third turn, and the
@@ -63,6 +65,18 @@ if [ ! -f $MODEL/config.json ]; then
     --v-head-dim 128 --max-position-embeddings 65536 || exit 1
 fi
 cp $MODEL/config.json "$RES/model_config.json"
+# The differentials' model: the same dimensions, with long-memory KDA heads (decay rates exp(A_log)
+# drawn from ND_DECAY, default [0.002, 0.5) against the default [1, 16)). With the default decay a
+# state is forgotten within a few tokens, so a request's output barely depends on the state it
+# restored (negating it moved the first-token logprob by 0.12 on CPU, inside the bf16 floor here):
+# a differential could not tell a right restore from a wrong one (GPU_NOTES.md, second session).
+ND_DECAY=${ND_DECAY:-0.002,0.5}
+ND_MODEL=/tmp/k3-gpu-bf16-decay-${ND_DECAY/,/-}
+if [ ! -f $ND_MODEL/config.json ]; then
+  python3 $REPO/scripts/make_tiny_k3.py --out $ND_MODEL --torch-dtype bfloat16 --hidden-size 1024 --kda-heads 8 \
+    --kda-head-dim 128 --mla-heads 8 --kv-lora-rank 512 --qk-nope-head-dim 128 --qk-rope-head-dim 64 \
+    --v-head-dim 128 --max-position-embeddings 65536 --kda-decay-min ${ND_DECAY%,*} --kda-decay-max ${ND_DECAY#*,} || exit 1
+fi
 # the trace slice's source: ../shared does not travel; carry the first 3,000 requests as .gpu-data
 # (mkdir -p .gpu-data && head -3000 ../shared/data/mooncake_conversation_trace.jsonl > .gpu-data/...)
 TRACE=$REPO/.gpu-data/mooncake_conversation_trace.jsonl
@@ -87,8 +101,8 @@ all)
   mv /tmp/res/differential /tmp/res/ab "$RES"/
   ;;
 differential)
-  COMMON="--model-path $MODEL $KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
-  timeout ${ND_TIMEOUT:-360} python3 -m benchmarks.noise_differential --stagger --server-args "$COMMON" --candidates ${ND_CANDIDATES:-fp32,int8,bf16,upstream} \
+  COMMON="--model-path $ND_MODEL $KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
+  timeout ${ND_TIMEOUT:-360} python3 -m benchmarks.noise_differential --stagger --server-args "$COMMON ${ND_EXTRA:-}" --candidates ${ND_CANDIDATES:-fp32,int8,bf16,upstream} \
     --corrupt int8 --requests ${ND_REQUESTS:-64} --max-new-tokens 16 --system-len 512,2048 --user-len 16,256 --batch-size 8 \
     --out "$RES/default" --log-dir "$RES/logs" --quiet
   echo "noise_differential exit $?"
@@ -124,7 +138,7 @@ det)
   # SGLang's deterministic-inference mode: does it run with these backends, and does the floor shrink?
   COMMON="$KERNELS --mem-fraction-static 0.1 --max-total-tokens 65536 --max-mamba-cache-size 64 --max-running-requests 16"
   timeout ${ND_TIMEOUT:-420} python3 -m benchmarks.noise_differential --stagger \
-    --server-args "--model-path $MODEL $COMMON --enable-deterministic-inference" \
+    --server-args "--model-path $ND_MODEL $COMMON --enable-deterministic-inference" \
     --candidates fp32,int8 --corrupt fp32 --requests ${ND_REQUESTS:-48} --max-new-tokens 16 --system-len 512,2048 \
     --user-len 16,256 --batch-size 8 --out "$RES/deterministic" --log-dir "$RES/logs" --quiet
   echo "noise_differential --enable-deterministic-inference exit $?"

@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (created; files are overwritten)")
     for f in dataclasses.fields(TinyK3Spec):
-        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"(default: {f.default})")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=f"(default: {f.default})"
+        )
     p.add_argument(
         "--torch-dtype",
         choices=("float32", "bfloat16"),
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = TinyK3Spec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TinyK3Spec)})
     if spec.num_layers < spec.kda_every or spec.hidden_size <= 0 or spec.experts_per_token > spec.num_experts:
         p.error("need num_layers >= kda_every, hidden_size > 0 and experts_per_token <= num_experts")
+    if not 0 < spec.kda_decay_min < spec.kda_decay_max:
+        p.error("need 0 < kda_decay_min < kda_decay_max (the range of each KDA head's decay rate exp(A_log))")
     print(f"building {spec} into {args.out}", file=sys.stderr)
     build(args.out, spec)
     if args.torch_dtype != "float32":

@@ -168,3 +168,39 @@ def test_concurrent_starts_on_a_broken_directory_agree(home, fresh_manifest, tmp
     assert verify(path, SPEC) is None
     assert _manifest(path) == fresh_manifest
     assert _entries(home) == [os.path.basename(path)]
+
+
+def test_kda_decay_range_sets_every_heads_decay_rate():
+    """The decay range is what the weights hold: the default [1, 16) (a few tokens of memory),
+    and a long-memory range (the GPU differential's model) whose heads keep a state for hundreds
+    of tokens. Everything else in the weights is the same draw."""
+    from sglang_k3.model.tiny_weights import make_weights
+
+    base = make_weights(SPEC)
+    long = make_weights(dataclasses.replace(SPEC, kda_decay_min=0.002, kda_decay_max=0.5))
+    a_logs = [k for k in base if k.endswith(".A_log")]
+    assert a_logs
+    for k in a_logs:
+        assert ((base[k].exp() >= 1.0) & (base[k].exp() < 16.0)).all()
+        assert ((long[k].exp() >= 0.002) & (long[k].exp() < 0.5)).all()
+    assert all(base[k].equal(long[k]) for k in base if k not in a_logs)
+
+
+def test_make_tiny_k3_refuses_an_empty_decay_range(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/make_tiny_k3.py",
+            "--out",
+            str(tmp_path / "m"),
+            "--kda-decay-min",
+            "2",
+            "--kda-decay-max",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 2 and "kda_decay_min < kda_decay_max" in proc.stderr
+    assert not (tmp_path / "m").exists()

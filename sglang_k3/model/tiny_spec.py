@@ -37,6 +37,13 @@ class TinyK3Spec:
     intermediate_size: int = 512
     first_dense_layers: int = 1
     max_position_embeddings: int = 16384
+    # Each KDA head's decay rate exp(A_log) is drawn uniformly from [kda_decay_min, kda_decay_max).
+    # The default [1, 16) forgets within a few tokens, so a request's output barely depends on a
+    # state restored more than a few tokens before its end; a range such as [0.002, 0.5) keeps
+    # some heads' memory for hundreds of tokens, so a wrong restored state shows in the output
+    # (the GPU differential's model, benchmarks/gpu_serving.sh).
+    kda_decay_min: float = 1.0
+    kda_decay_max: float = 16.0
     seed: int = 20261129
 
     @property

@@ -35,8 +35,10 @@ def _kda(g, p: str, s: TinyK3Spec, w: dict) -> None:
     w[f"{p}.f_b_proj.weight"] = _linear(g, proj, s.kda_head_dim)
     w[f"{p}.g_a_proj.weight"] = _linear(g, s.kda_head_dim, h)
     w[f"{p}.g_b_proj.weight"] = _linear(g, proj, s.kda_head_dim)
-    # Decay rates exp(A_log) in [1, 16) as in Mamba-style initialisation.
-    w[f"{p}.A_log"] = torch.log(torch.rand(1, 1, s.kda_heads, 1, generator=g) * 15 + 1)
+    # Decay rates exp(A_log) in [kda_decay_min, kda_decay_max): [1, 16) by default, as in
+    # Mamba-style initialisation.
+    span = s.kda_decay_max - s.kda_decay_min
+    w[f"{p}.A_log"] = torch.log(torch.rand(1, 1, s.kda_heads, 1, generator=g) * span + s.kda_decay_min)
     w[f"{p}.dt_bias"] = torch.randn(proj, generator=g) * 0.5 - 2.0
     w[f"{p}.o_norm.weight"] = 1.0 + 0.1 * torch.randn(s.kda_head_dim, generator=g)
     w[f"{p}.o_proj.weight"] = _linear(g, h, proj)
