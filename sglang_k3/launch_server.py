@@ -121,6 +121,33 @@ def _check_page_size(argv: list[str]) -> None:
         raise SystemExit(f"--page-size {value}: {e}") from None
 
 
+def _check_speculative(argv: list[str]) -> None:
+    """Speculative decoding with the k3 cache is refused before SGLang starts, with the reasons
+    (read in SGLang 0.5.23; issue #34 tracks the work), instead of failing inside a scheduler:
+
+    * no draft for the KDA models: ``KimiLinearForCausalLM`` has no MTP/NextN head, and EAGLE /
+      EAGLE3 / NEXTN need ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``, which it lacks;
+      on the CPU platform SGLang's out-of-tree check refuses them anyway;
+    * NGRAM's verify (tree reconstruction, greedy verify, the KDA verify kernel that writes a state
+      per draft token, the state commit scatter) has no CPU implementation;
+    * the k3 cache places decode-interval states at exact multiples of the interval, which a
+      verify step that accepts several tokens jumps over; whether its turn-end and chunk-end
+      states hold the state after the accepted tokens only has not been tested.
+
+    SGLang's own cache (``--radix-cache-backend upstream``) and a cache-off server are not k3's
+    to check."""
+    algo = _value(argv, "--speculative-algorithm")
+    if algo is None or _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
+        return
+    raise SystemExit(
+        f"--speculative-algorithm {algo}: the k3 cache does not serve with speculative decoding yet "
+        "(SGLang 0.5.23 has no draft path for KimiLinearForCausalLM: no MTP/NextN head, no EAGLE hooks; "
+        "NGRAM's verify has no CPU kernels; k3's decode-interval states are not placed at a verify "
+        "step's accepted length). Serve without it, or with --radix-cache-backend upstream (SGLang's own "
+        "cache); issue #34 tracks speculative decoding with k3"
+    )
+
+
 def _check_mooncake_client() -> None:
     """``--k3-mooncake``: the store client loads in every scheduler process; fail here, before
     SGLang starts, with what is missing and how to install it, not in a scheduler's traceback."""
@@ -154,6 +181,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
     _check_page_size(rest)
+    _check_speculative(rest)
     if cfg.mooncake:
         _check_mooncake_client()
     if _value(rest, "--radix-cache-backend") == "k3" and not _given(rest, "--disable-radix-cache"):

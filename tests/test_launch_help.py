@@ -182,6 +182,22 @@ def test_k3_with_another_state_strategy_is_refused_with_the_reason():
         L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy=extra_buffer"])
 
 
+def test_k3_with_speculative_decoding_is_refused_with_the_reason():
+    import pytest
+
+    from sglang_k3 import launch_server as L
+
+    for algo in ("NGRAM", "EAGLE3"):
+        with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve"):
+            L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
+    # SGLang's own cache and a cache-off server are SGLang's to check
+    argv, _ = L.build_argv(
+        ["--model-path", "/m", "--speculative-algorithm", "NGRAM", "--radix-cache-backend", "upstream"]
+    )
+    assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
+    L.build_argv(["--model-path", "/m", "--speculative-algorithm=NGRAM", "--disable-radix-cache"])
+
+
 def test_host_tier_flags_are_checked_before_the_server_starts():
     from sglang_k3.integration.k3_args import from_namespace
 
