@@ -222,7 +222,7 @@ def build_records(args, results) -> list:
                     else "int8"
                     if p == "upstream-int8"
                     else args.baseline_state_dtype
-                    if p in ("upstream", "vllm-align")
+                    if p in ("upstream", "upstream-hicache", "vllm-align")
                     else None
                 ),
                 prefill_tflops=args.prefill_tflops,
@@ -230,7 +230,7 @@ def build_records(args, results) -> list:
                 chunked_prefill_size=args.chunked_prefill_size,
                 symbol_tokens=args.symbol_tokens,
                 evict_watermark=args.evict_watermark,
-                host_budget_gib=args.host_budget_gib if p.startswith("k3") else 0,
+                host_budget_gib=args.host_budget_gib if p.startswith("k3") or p == "upstream-hicache" else 0,
                 l3_budget_gib=args.l3_budget_gib if p.startswith("k3") else 0,
                 tier_park_interval=_park_interval(args) if p.startswith("k3") else 0,
             )
@@ -386,7 +386,8 @@ def parse_args(argv=None):
         type=float,
         default=0.0,
         help="k3 policies: a host tier of this many GiB below the device budget, for evicted "
-        "boundaries (0: off; default: %(default)s). Other policies have none (policies/tiers.py)",
+        "boundaries (0: off; default: %(default)s); upstream-hicache: SGLang's HiCache with these host "
+        "bytes (policies/upstream_hicache.py). Other policies have none (policies/tiers.py)",
     )
     ap.add_argument(
         "--l3-budget-gib",
@@ -454,6 +455,8 @@ def parse_args(argv=None):
         ap.error("--tier-park-interval needs --host-budget-gib or --l3-budget-gib")
     if args.host_gbps <= 0 or args.l3_gbps <= 0:
         ap.error("--host-gbps and --l3-gbps must be > 0")
+    if "upstream-hicache" in args.policies and not args.host_budget_gib:
+        ap.error("upstream-hicache models SGLang's host tier: give it --host-budget-gib")
     return args
 
 

@@ -121,3 +121,32 @@ def test_upstream_int8_keeps_states_in_an_int8_pool_of_twice_the_slots():
     tr = _conversation()
     a, b = replay(up, tr, cfg, 400e12, 0.02), replay(q, tr, cfg, 400e12, 0.02)
     assert b["hit_rate"] >= a["hit_rate"] > 0
+
+
+def test_upstream_hicache_backs_up_every_insert_and_loads_back_what_the_device_evicted():
+    """HiCache at its default write-through policy: the host mirror holds what the device tree was
+    given (every insert, every state), split as the device's pools; a device that evicted a
+    conversation's states restores them from host, paying the load, and the hit rate is at least
+    the device-only cache's on the same trace."""
+    import pytest
+
+    from benchmarks.policies.upstream_hicache import UpstreamHiCachePolicy
+
+    with pytest.raises(ValueError, match="--host-budget-gib"):
+        UpstreamHiCachePolicy(_cfg(), 10 * GiB)
+    tr = _conversation(n_conv=6, turns=4)
+    one_state = _cfg().checkpoint_bytes("fp32")
+    device = 3 * one_state  # room for about one conversation's states: later turns miss on device
+    cfg = _cfg(host_budget_bytes=200 * GiB)
+    hc = UpstreamHiCachePolicy(cfg, device)
+    assert hc.host.state_share == hc.state_share  # H4: the host's pools split as the device's
+    up = UpstreamPolicy(_cfg(), device)
+    a, b = replay(up, tr, _cfg(), 400e12, 0.02), replay(hc, tr, cfg, 400e12, 0.02)
+    host = b["host_tier"]
+    assert host["host_loads"] > 0 and host["host_hit_tokens"] > 0 and host["host_load_tokens"] > 0
+    assert b["hit_rate"] > a["hit_rate"]
+    # every state the device placed is on host too (nothing evicted there at 200 GiB)
+    assert hc.host.tree.checkpoint_count() >= hc.ckpt_placed - hc.host_loads > 0
+    assert hc.host.tree.stats.evicted_checkpoints == 0
+    hc.tree.check_invariants()
+    hc.host.tree.check_invariants()

@@ -9,6 +9,7 @@ from benchmarks.policies.k3 import K3Alpha0Policy, K3EagerPolicy, K3FixedPolicy,
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
 from benchmarks.policies.upstream import UpstreamInt8Policy, UpstreamPolicy
+from benchmarks.policies.upstream_hicache import UpstreamHiCachePolicy
 from benchmarks.policies.vllm_align import VllmAlignPolicy
 
 POLICIES = {
@@ -19,6 +20,7 @@ POLICIES = {
     "k3-eager": K3EagerPolicy,
     "upstream": UpstreamPolicy,
     "upstream-int8": UpstreamInt8Policy,
+    "upstream-hicache": UpstreamHiCachePolicy,
     "vllm-align": VllmAlignPolicy,
     "marconi": MarconiPolicy,
     "oracle": OraclePolicy,
