@@ -146,6 +146,25 @@ def server_factory():
     _servers.clear()
 
 
+_references: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="session")
+def nocache_reference(server_factory):
+    """``reference(key, run)``: the cache-off server's answers to a seeded workload, ``run(server)``,
+    computed once per ``key`` (name the workload and its seed) and shared by every configuration a
+    differential compares against it. The reference is greedy decoding on fp32 CPU with no cache,
+    the same for every comparison (each differential asserts exactly that determinism); running it
+    again per configuration only cost CI time (16 runs of two scripts in test_differential_k3)."""
+
+    def reference(key: tuple, run):
+        if key not in _references:
+            _references[key] = run(server_factory("nocache"))
+        return _references[key]
+
+    return reference
+
+
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> str:
     from sglang_k3.model.tiny_build import default_model_path

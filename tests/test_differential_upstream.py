@@ -17,9 +17,9 @@ SEEDS = [7, 8]
 
 @pytest.mark.parametrize("config", ["upstream", "upstream_extra_buffer"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_upstream_cache_matches_no_cache(server_factory, seed, config):
+def test_upstream_cache_matches_no_cache(server_factory, nocache_reference, seed, config):
     cached = run_conversations(server_factory(config), seed)
-    plain = run_conversations(server_factory("nocache"), seed)
+    plain = nocache_reference(("run_conversations", seed), lambda s: run_conversations(s, seed))
     for a, b in zip(cached, plain):
         assert a["output_ids"] == b["output_ids"], (a, b)
         assert b["cached_tokens"] == 0

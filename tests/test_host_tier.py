@@ -28,14 +28,14 @@ KW = dict(n_conv=8, n_turns=3, system_len=120, user_len=(200, 260), reply_len=6)
 
 
 @pytest.fixture(scope="module", params=["k3_host_tier", "k3_host_tier_page64"])
-def runs(server_factory, request):
+def runs(server_factory, nocache_reference, request):
     """Pages of 1 and of 64 tokens: the host tier moves KV whole pages at a time at 64, and a turn
     end inside a page comes back as a partial page."""
     tier = server_factory(request.param)
     before = k3_state(tier)
     cached = run_conversations(tier, SEED, **KW)
     after = k3_state(tier)
-    plain = run_conversations(server_factory("nocache"), SEED, **KW)
+    plain = nocache_reference(("host_tier", SEED), lambda s: run_conversations(s, SEED, **KW))
     return cached, plain, before, after
 
 
