@@ -68,6 +68,12 @@ def _value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def _k3_serves(argv: list[str]) -> bool:
+    """The k3 cache serves: it is the backend and the cache is not off (SGLang's own cache and a
+    cache-off server are not k3's to check or to default)."""
+    return _value(argv, "--radix-cache-backend") == "k3" and not _given(argv, "--disable-radix-cache")
+
+
 def _cpu_defaults_for(argv: list[str]) -> list[tuple[str, str | None]]:
     """The CPU defaults, less what SGLang should decide itself:
 
@@ -108,7 +114,7 @@ def _check_backend_strategy(argv: list[str]) -> None:
 def _check_page_size(argv: list[str]) -> None:
     """The page sizes k3 serves nest with the KDA kernel's 64-token state grid (powers of two up
     to 256: ``check_page_size`` says why)."""
-    if _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
+    if not _k3_serves(argv):
         return
     value = _value(argv, "--page-size")
     if value is None:
@@ -122,30 +128,16 @@ def _check_page_size(argv: list[str]) -> None:
 
 
 def _check_speculative(argv: list[str]) -> None:
-    """Speculative decoding with the k3 cache is refused before SGLang starts, with the reasons
-    (read in SGLang 0.5.23; issue #34 tracks the work), instead of failing inside a scheduler:
-
-    * no draft for the KDA models: ``KimiLinearForCausalLM`` has no MTP/NextN head, and EAGLE /
-      EAGLE3 / NEXTN need ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``, which it lacks;
-      on the CPU platform SGLang's out-of-tree check refuses them anyway;
-    * NGRAM's verify (tree reconstruction, greedy verify, the KDA verify kernel that writes a state
-      per draft token, the state commit scatter) has no CPU implementation;
-    * the k3 cache places decode-interval states at exact multiples of the interval, which a
-      verify step that accepts several tokens jumps over; whether its turn-end and chunk-end
-      states hold the state after the accepted tokens only has not been tested.
-
-    SGLang's own cache (``--radix-cache-backend upstream``) and a cache-off server are not k3's
-    to check."""
-    algo = _value(argv, "--speculative-algorithm")
-    if algo is None or _value(argv, "--radix-cache-backend") != "k3" or _given(argv, "--disable-radix-cache"):
+    """Speculative decoding with the k3 cache stops here, before SGLang starts
+    (:func:`~sglang_k3.integration.k3_args.check_speculative` says why)."""
+    if not _k3_serves(argv):
         return
-    raise SystemExit(
-        f"--speculative-algorithm {algo}: the k3 cache does not serve with speculative decoding yet "
-        "(SGLang 0.5.23 has no draft path for KimiLinearForCausalLM: no MTP/NextN head, no EAGLE hooks; "
-        "NGRAM's verify has no CPU kernels; k3's decode-interval states are not placed at a verify "
-        "step's accepted length). Serve without it, or with --radix-cache-backend upstream (SGLang's own "
-        "cache); issue #34 tracks speculative decoding with k3"
-    )
+    from sglang_k3.integration.k3_args import check_speculative
+
+    try:
+        check_speculative(_value(argv, "--speculative-algorithm"))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _check_mooncake_client() -> None:
@@ -184,7 +176,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     _check_speculative(rest)
     if cfg.mooncake:
         _check_mooncake_client()
-    if _value(rest, "--radix-cache-backend") == "k3" and not _given(rest, "--disable-radix-cache"):
+    if _k3_serves(rest):
         rest = _with_defaults(rest, K3_DEFAULTS)
     if _value(rest, "--radix-cache-backend") == "k3":
         # Under the overlap scheduler, process one prefill's results before the next prefill

@@ -125,6 +125,22 @@ def test_the_k3_factory_refuses_extra_buffer():
         k3_factory(ctx)
 
 
+def test_the_k3_factory_refuses_speculative_decoding():
+    """Started another way (sglang.launch_server --radix-cache-backend k3 --speculative-algorithm
+    ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts."""
+    from types import SimpleNamespace
+
+    from sglang_k3.integration.radix_backends import k3_factory
+
+    ctx = SimpleNamespace(
+        disable_radix_cache=False,
+        is_hybrid_ssm=True,
+        server_args=SimpleNamespace(mamba_radix_cache_strategy="no_buffer", speculative_algorithm="NGRAM"),
+    )
+    with pytest.raises(ValueError, match="--speculative-algorithm NGRAM: the k3 cache does not serve"):
+        k3_factory(ctx)
+
+
 def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
     """SGLang's own check still refuses no_buffer with the overlap scheduler for its own cache."""
     from types import SimpleNamespace

@@ -331,3 +331,27 @@ def ns_admission(ns: argparse.Namespace) -> K3Config:
 def current() -> K3Config:
     """The config ``launch_server`` published for this process tree (defaults when none)."""
     return from_env()
+
+
+def check_speculative(algorithm) -> None:
+    """Speculative decoding with the k3 cache is refused, with the reasons (read in SGLang 0.5.23;
+    issue #34 tracks the work), before it can fail inside a scheduler. Called by
+    ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point):
+
+    * no draft for the KDA models: ``KimiLinearForCausalLM`` has no MTP/NextN head, and EAGLE /
+      EAGLE3 / NEXTN need ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``, which it lacks;
+      on the CPU platform SGLang's out-of-tree check refuses them anyway;
+    * NGRAM's verify (tree reconstruction, greedy verify, the KDA verify kernel that writes a state
+      per draft token, the state commit scatter) has no CPU implementation;
+    * the k3 cache places decode-interval states at exact multiples of the interval, which a
+      verify step that accepts several tokens jumps over; whether its turn-end and chunk-end
+      states hold the state after the accepted tokens only has not been tested."""
+    if not algorithm:
+        return
+    raise ValueError(
+        f"--speculative-algorithm {algorithm}: the k3 cache does not serve with speculative decoding yet "
+        "(SGLang 0.5.23 has no draft path for KimiLinearForCausalLM: no MTP/NextN head, no EAGLE hooks; "
+        "NGRAM's verify has no CPU kernels; k3's decode-interval states are not placed at a verify "
+        "step's accepted length). Serve without it, or with --radix-cache-backend upstream (SGLang's own "
+        "cache); issue #34 tracks speculative decoding with k3"
+    )

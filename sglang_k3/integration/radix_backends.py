@@ -37,7 +37,9 @@ def k3_factory(ctx):
             "(which adds no_buffer) or pass --mamba-radix-cache-strategy no_buffer; "
             "--radix-cache-backend upstream is SGLang's own extra_buffer cache."
         )
-    from sglang_k3.integration.k3_args import current
+    from sglang_k3.integration.k3_args import check_speculative, current
+
+    check_speculative(getattr(ctx.server_args, "speculative_algorithm", None))
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext
 
