@@ -104,6 +104,7 @@ class Admission:
 class _Ctx:
     node: object  # the locked node (None: nothing locked)
     prompt_track: int = 0  # symbols: deepest state this request registered at prefill
+    backup: object = None  # what backed_up returned at admission (a host tier's locked node)
 
 
 class Policy:
@@ -175,6 +176,19 @@ class TreePolicy(Policy):
         """Symbols reused for a match (hybrid: the restore boundary)."""
         return m.restore_len
 
+    def lower_tier_hit(self, key: list, m, restore: int) -> tuple[int, int, dict[int, CheckpointKind], float]:
+        """A tier below the device: ``(restore, KV-hit length, states the load places on the device,
+        load seconds)`` for a device match ``m`` that restores ``restore``. None below: the device's."""
+        return restore, m.mla_len, {}, 0.0
+
+    def backed_up(self, seq: list, end: int, plan: dict[int, CheckpointKind], running: bool) -> object:
+        """After the device tree took ``seq[:end]`` and ``plan``'s states (``running``: at admission,
+        the request still runs): a tier below may copy them. Returns what ``release_backup`` gets."""
+        return None
+
+    def release_backup(self, backup: object) -> None:
+        """The request that ``backed_up`` ran for finished."""
+
     # ------------------------------------------------------------------ helpers
     def _kv(self, n: int) -> range:
         r = range(self._kv_next, self._kv_next + n)
@@ -227,8 +241,8 @@ class TreePolicy(Policy):
         L, u = trace.input_len[i], self.cfg.unit
         branch = self.branch_point(key)
         m = self.tree.match_prefix(key, pin=True)  # invariant 1: pinned before anything is allocated
-        restore = self.hit_of(m, len(key))
-        plan = self.plan_prefill(L // u, len(key), restore, m.mla_len, branch)
+        restore, mla, loaded, load_s = self.lower_tier_hit(key, m, self.hit_of(m, len(key)))
+        plan = {**loaded, **self.plan_prefill(L // u, len(key), restore, mla, branch)}
         end = len(key)
         if self.insert_to_last_checkpoint:
             end = max(plan) if plan else 0
@@ -248,8 +262,9 @@ class TreePolicy(Policy):
         self.enforce_budget()
         return Admission(
             hit_tokens=restore * u,
-            mla_tokens=min(m.mla_len, len(key) - 1) * u,
-            ctx=_Ctx(node=node, prompt_track=max(plan) if plan else 0),
+            mla_tokens=min(mla, len(key) - 1) * u,
+            ctx=_Ctx(node=node, prompt_track=max(plan) if plan else 0, backup=self.backed_up(key, end, plan, True)),
+            load_s=load_s,
         )
 
     def finish(self, trace, i: int, ctx: _Ctx) -> None:
@@ -268,6 +283,8 @@ class TreePolicy(Policy):
         if end > 0 and res.node is not self.tree.root and res.node.parent is not None:
             self.after_insert(res.node)
         self.enforce_budget()
+        self.release_backup(ctx.backup)
+        self.backed_up(seq, end, plan, False)
 
     def summary(self) -> dict:
         s = self.tree.stats

@@ -46,7 +46,7 @@ here a load is at least one 64-token symbol.
 
 from __future__ import annotations
 
-from benchmarks.policies.base import Admission, SimConfig, _Ctx
+from benchmarks.policies.base import SimConfig
 from benchmarks.policies.upstream import UpstreamPolicy
 from sglang_k3.cache import CheckpointKind
 
@@ -64,68 +64,38 @@ class UpstreamHiCachePolicy(UpstreamPolicy):
         self.host_hit_tokens = 0  # real tokens of restores from a host-only state
 
     # ------------------------------------------------------------------ the mirror (H2)
-    def _mirror(self, key, end: int, plan: dict, lock: bool):
-        """Back up what the device tree just inserted: the same key up to ``end``, the same states."""
+    def backed_up(self, seq, end: int, plan: dict, running: bool):
+        """Back up what the device tree just took: the same key up to ``end``, the same states (a
+        state already on host, one a load brought back, is not placed twice)."""
         if end <= 0:
             return None
-        res = self.host.tree.insert(key[:end], self.host._kv(end))
+        res = self.host.tree.insert(seq[:end], self.host._kv(end))
         node = None if res.node is self.host.tree.root else res.node
         if node is not None:
-            if lock:
+            if running:
                 self.host.tree.inc_lock_ref(node)  # the running request's path is not host-only
             self.host._place(node, plan)
         self.host.enforce_budget()
         return node
 
-    # ------------------------------------------------------------------ events
-    def admit(self, trace, i: int) -> Admission:
-        key = trace.prompt(i)
-        L, u = trace.input_len[i], self.cfg.unit
-        self._L_real = L
-        m = self.tree.match_prefix(key, pin=True)
-        hm = self.host.tree.match_prefix(key, pin=False)  # H6: the walk goes on through host nodes
-        restore, mla = m.restore_len, max(m.mla_len, hm.mla_len)
-        plan: dict[int, CheckpointKind] = {}
-        load_s = 0.0
-        if hm.restore_len > restore:  # H6: a deeper state on host, loaded back with its KV
-            kv_back = hm.restore_len - min(m.mla_len, hm.restore_len)
-            restore = hm.restore_len
-            plan[restore] = CheckpointKind.CHUNK  # the loaded state lands in the device node
-            nbytes = kv_back * self.cfg.kv_bytes_per_symbol + self.ckpt_nbytes
-            load_s = nbytes / (self.cfg.host_gbps * 1e9)
-            self.host_loads += 1
-            self.host_load_tokens += kv_back * u
-            self.host_hit_tokens += (restore - m.restore_len) * u
-        plan.update(self.plan_prefill(L // u, len(key), restore, mla, None))
-        end = max(plan) if plan else 0  # rule 4: KV inserted up to the tracked state
-        node = None
-        if end > 0:
-            res = self.tree.insert(key[:end], self._kv(end))
-            node = None if res.node is self.tree.root else res.node
-        if node is not None:
-            self.tree.inc_lock_ref(node)
-            self._place(node, plan)
-        if m.pin is not None:
-            self.tree.release_pin(m.pin)
-        self.enforce_budget()
-        host_node = self._mirror(key, end, plan, True)  # a state already on host is not placed twice
-        return Admission(
-            hit_tokens=restore * u,
-            mla_tokens=min(mla, len(key) - 1) * u,
-            ctx=(_Ctx(node=node, prompt_track=end), host_node),
-            load_s=load_s,
-        )
+    def release_backup(self, backup) -> None:
+        if backup is not None:
+            self.host.tree.dec_lock_ref(backup)
 
-    def finish(self, trace, i: int, ctx) -> None:
-        dev_ctx, host_node = ctx
-        super().finish(trace, i, dev_ctx)  # the device tree, as upstream's
-        if host_node is not None:
-            self.host.tree.dec_lock_ref(host_node)
-        plan = self.plan_finish(trace.input_len[i], trace.output_len[i], dev_ctx)
-        self._mirror(trace.full(i), max(plan) if plan else dev_ctx.prompt_track, plan, False)
-
-    def sample(self) -> tuple[int, int]:
-        return super().sample()  # device bytes, as for every policy; the host's are in summary()
+    # ------------------------------------------------------------------ a match reaches host (H6)
+    def lower_tier_hit(self, key, m, restore: int):
+        hm = self.host.tree.match_prefix(key, pin=False)  # the walk goes on through host nodes
+        mla = max(m.mla_len, hm.mla_len)
+        if hm.restore_len <= restore:
+            return restore, mla, {}, 0.0
+        # a deeper state on host, loaded back with the evicted KV before it
+        kv_back = hm.restore_len - min(m.mla_len, hm.restore_len)
+        nbytes = kv_back * self.cfg.kv_bytes_per_symbol + self.ckpt_nbytes
+        self.host_loads += 1
+        self.host_load_tokens += kv_back * self.cfg.unit
+        self.host_hit_tokens += (hm.restore_len - restore) * self.cfg.unit
+        # the loaded state lands in the device node
+        return hm.restore_len, mla, {hm.restore_len: CheckpointKind.CHUNK}, nbytes / (self.cfg.host_gbps * 1e9)
 
     def summary(self) -> dict:
         d = super().summary()
