@@ -9,7 +9,7 @@ import random
 
 from sglang_k3.cache import EvictionPolicy
 from sglang_k3.cache.build import build_lifecycle
-from sglang_k3.cache.ghosts import GhostReason, ReuseLearner, StateClass
+from sglang_k3.cache.ghosts import EvictedKV, Ghost, GhostReason, MissCounts, ReuseLearner, StateClass
 from sglang_k3.config import K3Config
 from tests.test_lifecycle import IntStore
 
@@ -76,10 +76,12 @@ def test_a_recycled_chunk_end_leaves_a_ghost_and_the_fork_that_misses_it_is_coun
         got = {k: after[k] - before[k] for k in after}
         assert m.restore_len == 0
         assert got == {
-            "miss_no_kv_tokens": len(key) - shared,
+            "miss_never_seen_tokens": len(key) - shared,
+            "miss_kv_evicted_tokens": 0,
             "miss_no_state_tokens": shared - deepest,
             "miss_state_dropped_tokens": deepest,
             "miss_state_evicted_tokens": 0,
+            "miss_tier_missing_tokens": 0,
             "miss_alignment_tokens": 0,
         }, (seed, shared, deepest)
         lc.tree.check_invariants()
@@ -182,3 +184,140 @@ def test_a_state_kept_past_its_rule_is_priced_at_what_its_class_has_saved():
     assert m.restore_len == ck.pos and ck.hits == 1
     assert tree.expected_saving(ck) == tree.saved_flops(ck) * 2  # 1 + log2(1 + 1 hit)
     lc.release("b")
+
+
+# ------------------------------------------------------------------ evicted KV: "evicted" or "never seen"
+
+
+def _miss_delta(lc, rid, key):
+    """Match ``key`` as an admitted request (then let it go) and return the miss counts it added."""
+    before = lc.tree.misses.as_dict()
+    m = lc.match(rid, key, admit=True, prompt_len=len(key))
+    lc.release(rid)
+    after = lc.tree.misses.as_dict()
+    got = {k[5:-7]: after[k] - before[k] for k in after}  # miss_<cause>_tokens -> cause
+    assert sum(got.values()) == len(key) - m.restore_len  # every token restored or counted once
+    return m, got
+
+
+def test_kv_the_cache_evicted_is_told_apart_from_kv_it_never_held():
+    """A request's whole path is evicted (leaf by leaf, each chunk's node in turn). The same
+    sequence asked again is counted as evicted KV, to the token; a prompt that shares only its
+    first part with it counts that part as evicted and the rest as never seen."""
+    for seed in range(3):
+        rng = random.Random(seed)
+        lc = _lc(adaptive=False)
+        first = [rng.randrange(1 << 30) for _ in range(600)]
+        _request(lc, "a", first, [7, 8], slot=1)
+        lc.tree.evict(num_tokens=10**6)
+        assert lc.tree.total_size() == 0
+        _, got = _miss_delta(lc, "b", first + [7, 8, 9])
+        assert got["kv_evicted"] == 602 and got["never_seen"] == 1, got
+        shared = rng.randrange(1, 600)
+        _, got = _miss_delta(lc, "c", first[:shared] + [rng.randrange(1 << 30) for _ in range(50)])
+        assert got["kv_evicted"] == shared and got["never_seen"] == 50, (seed, shared, got)
+        lc.tree.check_invariants()
+
+
+def test_a_trimmed_tail_is_evicted_kv_and_kv_brought_back_is_no_ghost():
+    """KV trimmed past a leaf's last state hangs off that leaf: a prompt that runs on through it
+    counts it as evicted. Once that KV is inserted again, the ghost there is gone."""
+    rng = random.Random(4)
+    lc = _lc(adaptive=False)
+    tree = lc.tree
+    key = [rng.randrange(1 << 30) for _ in range(300)]
+    ins = tree.insert(key, list(range(300)))
+    tree.add_checkpoint(ins.node, 128, [1], nbytes=1000, ready=True)
+    tree.trim_dead_tail(ins.node)
+    assert ins.node.end == 128 and ins.node.gone
+    m, got = _miss_delta(lc, "c", key + [9])
+    assert m.mla_len == 128 and m.restore_len == 128
+    assert got["kv_evicted"] == 300 - 128 and got["never_seen"] == 1, got
+    # the KV comes back: no ghost there any more, nothing counted as evicted
+    tree.insert(key, list(range(1000, 1300)))
+    assert not ins.node.gone
+    _, got = _miss_delta(lc, "d", key + [9])
+    assert got["kv_evicted"] == 0 and got["never_seen"] == 1 and got["no_state"] == 300 - 128, got
+    tree.check_invariants()
+
+
+def test_with_a_lower_tier_what_the_device_evicted_and_no_tier_gave_back_is_a_tier_miss():
+    counts = MissCounts()
+    ghost = Ghost(GhostReason.EVICTED)
+    counts.record(key_len=100, mla_len=60, cap=60, restore=10, ghost_pos=40, ghost=ghost, evicted_kv=30, tiers=True)
+    assert counts.as_dict() == {
+        "miss_never_seen_tokens": 10,
+        "miss_kv_evicted_tokens": 0,
+        "miss_no_state_tokens": 20,
+        "miss_state_dropped_tokens": 0,
+        "miss_state_evicted_tokens": 0,
+        "miss_tier_missing_tokens": 30 + 30,
+        "miss_alignment_tokens": 0,
+    }
+    counts = MissCounts()
+    counts.record(key_len=100, mla_len=60, cap=60, restore=10, ghost_pos=40, ghost=ghost, evicted_kv=30)
+    assert (counts.kv_evicted, counts.state_evicted, counts.tier_missing, counts.never_seen) == (30, 30, 0, 10)
+
+
+def test_evicted_kv_ghosts_are_bounded_oldest_first():
+    ev = EvictedKV(page_size=1)
+    ev.cap = 1000  # as if the tree had held 250 tokens; it only grows with what the tree holds
+    owners = []
+    for i in range(30):
+        owner: dict = {}
+        ev.add(owner, [i] * 100, {}, held_tokens=10)
+        owners.append(owner)
+        assert ev.tokens <= ev.cap
+    assert ev.cap == 1000 and ev.tokens == 1000
+    assert all(not o for o in owners[:20]) and all(o for o in owners[20:])  # the oldest aged out
+    assert ev.run(owners[0], [0] * 100, 0) == 0
+    assert ev.run(owners[-1], [29] * 150, 0) == 100
+    ev.add({}, [1] * 10, {}, held_tokens=5000)
+    assert ev.cap == EvictedKV.HORIZON * 5000
+
+
+def _remember(seen: set, seq) -> None:
+    """Every prefix of ``seq`` (chained hashes): the truth of what the cache was ever given."""
+    h = 0
+    for t in seq:
+        h = hash((h, t))
+        seen.add(h)
+
+
+def _held_before(seen: set, seq) -> int:
+    """The longest prefix of ``seq`` the cache was ever given."""
+    h, n = 0, 0
+    for t in seq:
+        h = hash((h, t))
+        if h not in seen:
+            break
+        n += 1
+    return n
+
+
+def test_miss_causes_add_up_and_evicted_kv_is_never_more_than_the_cache_held():
+    """Random prompts over shared prefixes in a small budget that evicts after every request.
+    Against the truth (every prefix ever inserted), the evicted count never exceeds what the
+    cache had held past the KV a match found, and the causes add up to the tokens not restored."""
+    for seed in range(4):
+        rng = random.Random(seed)
+        lc = _lc(adaptive=True)
+        heads = [[rng.randrange(1 << 30) for _ in range(rng.randrange(64, 256))] for _ in range(4)]
+        seen: set = set()
+        history: list = []
+        for i in range(40):
+            base = rng.choice(heads + history[-5:]) if history else rng.choice(heads)
+            fresh = [rng.randrange(1 << 30) for _ in range(rng.randrange(1, 90))]
+            key = base[: rng.randrange(1, len(base) + 1)] + fresh
+            truth = _held_before(seen, key)
+            m, got = _miss_delta(lc, f"probe{i}", key)
+            assert got["kv_evicted"] <= max(0, truth - m.mla_len), (seed, i, truth, m.mla_len, got)
+            out = [rng.randrange(1 << 30) for _ in range(rng.randrange(1, 20))]
+            _request(lc, f"r{i}", key, out, slot=1 + i, chunk=64)
+            _remember(seen, key + out)
+            history.append(key + out)
+            over = lc.tree.total_size() - 700
+            if over > 0:
+                lc.tree.evict(num_tokens=over)
+            lc.tree.check_invariants()
+        assert lc.tree.misses.kv_evicted > 0 and lc.tree.misses.never_seen > 0

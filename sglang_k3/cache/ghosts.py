@@ -10,7 +10,8 @@ prompt tokens between the restore and the ghost were recomputed because of that 
 Two things read ghosts:
 
 * **Miss attribution** (:class:`MissCounts`): every prompt token a match did not restore is
-  counted by its cause, from the match itself and the deepest ghost under it.
+  counted by its cause, from the match itself, the deepest ghost under it and the evicted KV past
+  it (:class:`EvictedKV`).
 * **The reuse estimate** (:class:`ReuseLearner`): per class of state (turn end, chunk end, prompt
   end, decode interval, earlier turn end), the prefill FLOPs its states saved when used again,
   counting a hit on a kept state and a ghost hit on a dropped or evicted one alike. Retention
@@ -19,15 +20,22 @@ Two things read ghosts:
   hand: on traffic whose forks fall inside earlier prompts, chunk-end states are reused and kept;
   on linear conversations they are not, and go as before.
 
+**Evicted KV** leaves ghosts of its own (:class:`EvictedKV`): the tokens of each removed node or
+trimmed tail, hung where they were cut off, so that a prompt that runs on past the cached KV is
+told apart as *evicted* (the cache held those tokens) or *never seen*.
+
 Torch-free: plain data, updated by the tree.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
 
-from sglang_k3.cache.node import CheckpointKind
+from sglang_k3.cache.node import CheckpointKind, lcp
 
 
 class StateClass(enum.IntEnum):
@@ -107,35 +115,138 @@ class ReuseLearner:
 
 
 MISS_CAUSES = (
-    "no_kv",  # no MLA KV for it: never seen, or its KV was evicted
+    "never_seen",  # no MLA KV for it, and the cache never held it (or forgot it: EvictedKV's horizon)
+    "kv_evicted",  # no MLA KV for it: the cache held it and evicted it
     "no_state",  # KV present, but no state was ever placed between the restore point and it
     "state_dropped",  # a state there was dropped by a placement rule (turn end, recycling)
-    "state_evicted",  # a state there was evicted (with a lower tier: and not found there)
+    "state_evicted",  # a state there was evicted, and no lower tier keeps evicted boundaries
+    "tier_missing",  # evicted (its state, or its KV) with a lower tier on, and no tier gave it back
     "alignment",  # the last token of a fully cached prompt (a lookup never restores it)
 )
 
 
 @dataclass
 class MissCounts:
-    """Prompt tokens admitted matches did not restore, by cause (:data:`MISS_CAUSES`)."""
+    """Prompt tokens admitted matches did not restore, by cause (:data:`MISS_CAUSES`); they add
+    up to the tokens looked up less the tokens restored."""
 
-    no_kv: int = 0
+    never_seen: int = 0
+    kv_evicted: int = 0
     no_state: int = 0
     state_dropped: int = 0
     state_evicted: int = 0
+    tier_missing: int = 0
     alignment: int = 0
 
-    def record(self, key_len: int, mla_len: int, cap: int, restore: int, ghost_pos: int, ghost: "Ghost | None"):
-        self.no_kv += key_len - mla_len
+    def record(
+        self,
+        key_len: int,
+        mla_len: int,
+        cap: int,
+        restore: int,
+        ghost_pos: int,
+        ghost: "Ghost | None",
+        evicted_kv: int = 0,
+        tiers: bool = False,
+    ) -> None:
+        """One match: ``mla_len`` of ``key_len`` tokens had KV, ``cap`` could be restored at most,
+        ``restore`` were; ``ghost`` is the deepest state let go in ``(restore, cap]`` (at
+        ``ghost_pos``), ``evicted_kv`` how many tokens past ``mla_len`` the cache held and evicted;
+        ``tiers``: a lower tier keeps what the device evicts, so what it evicted and a tier did not
+        give back is a tier's miss."""
+        evicted = min(evicted_kv, key_len - mla_len)
+        self.never_seen += key_len - mla_len - evicted
+        if tiers:
+            self.tier_missing += evicted
+        else:
+            self.kv_evicted += evicted
         self.alignment += mla_len - cap
         if ghost is not None:
-            if ghost.reason is GhostReason.EVICTED:
-                self.state_evicted += ghost_pos - restore
-            else:
+            if ghost.reason is GhostReason.DROPPED:
                 self.state_dropped += ghost_pos - restore
+            elif tiers:
+                self.tier_missing += ghost_pos - restore
+            else:
+                self.state_evicted += ghost_pos - restore
             self.no_state += cap - ghost_pos
         else:
             self.no_state += cap - restore
 
     def as_dict(self) -> dict[str, int]:
         return {f"miss_{k}_tokens": getattr(self, k) for k in MISS_CAUSES}
+
+
+@dataclass(eq=False)
+class GoneSpan:
+    """Evicted KV: the tokens of a removed node or of a leaf's trimmed tail (``key``), and the
+    spans evicted past its end before it (``after``, keyed by their first page, as a node's
+    children are)."""
+
+    key: Sequence[int]
+    after: dict = field(default_factory=dict)
+
+
+class EvictedKV:
+    """Ghosts of evicted KV, so that a miss tells *evicted* from *never seen*. When the tree
+    removes a node or trims a leaf's tail, the tokens that went hang where they were cut off, in
+    the ``gone`` dict of the node they continued (its children's twin, keyed by first page), with
+    what had been evicted past them before. A match that stops at a node's end follows them along
+    the prompt (:meth:`run`). An insert that brings the KV back removes the ghost there.
+
+    Bounded: the tokens recorded over the last ``cap`` go oldest first, ``cap`` being ``HORIZON``
+    times the most KV the tree has held when it evicted (a cache that many times the size would
+    still have held them). The removed keys are kept as packed integers (8 bytes a token), no KV:
+    32 MB for a tree that holds a million tokens. Beyond the horizon, and under a span that was
+    brought back, tokens count as never seen: the split is exact within the horizon and errs
+    towards *never seen*."""
+
+    MIN_CAP = 1 << 16
+    HORIZON = 4
+
+    def __init__(self, page_size: int) -> None:
+        self.page = page_size
+        self.tokens = 0  # tokens recorded and not yet aged out
+        self.cap = self.MIN_CAP
+        self._order: deque = deque()  # (owner dict, page key, span), oldest first
+
+    def add(self, owner: dict, key: Sequence[int], after: dict, held_tokens: int) -> None:
+        """``key`` was evicted where ``owner`` (a node's ``gone``) hangs; ``after``: the ghosts
+        that hung past its end. ``held_tokens``: the KV the tree held just before."""
+        span = GoneSpan(array("q", key), after)
+        page_key = tuple(key[: self.page])
+        owner[page_key] = span
+        self._order.append((owner, page_key, span))
+        self.tokens += len(key)
+        self.cap = max(self.cap, self.HORIZON * held_tokens)
+        while self.tokens > self.cap and self._order:
+            o, k, old = self._order.popleft()
+            self.tokens -= len(old.key)
+            if o.get(k) is old:
+                del o[k]
+
+    def run(self, gone: dict, key: Sequence[int], pos: int) -> int:
+        """Tokens of ``key`` from ``pos`` on that the cache held and evicted, following the
+        ghosts in ``gone`` (the ``gone`` of the node the match ended at, ``pos`` its end)."""
+        total = 0
+        while gone and pos < len(key):
+            span = self._child(gone, key, pos)
+            if span is None:
+                break
+            n = lcp(span.key, key, pos)
+            total += n
+            if n < len(span.key):
+                break
+            pos += n
+            gone = span.after
+        return total
+
+    def _child(self, gone: dict, key: Sequence[int], pos: int) -> "GoneSpan | None":
+        p = self.page
+        if pos + p <= len(key):
+            return gone.get(tuple(key[pos : pos + p]))
+        best, best_n = None, 0  # the key ends inside a page: the longest partial match
+        for span in gone.values():
+            n = lcp(span.key[:p], key, pos)
+            if n > best_n:
+                best, best_n = span, n
+        return best

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class CheckpointKind(enum.IntFlag):
@@ -88,6 +88,7 @@ class Node:
     last_access: int = 0
     ragged: int = 0  # children that end inside a KV page (ragged leaves; the tree keeps the count)
     ghosts: dict = field(default_factory=dict)  # pos -> ghosts.Ghost: states let go here (start < pos <= end)
+    gone: dict = field(default_factory=dict)  # first page -> ghosts.GoneSpan: KV evicted past its end
 
     @property
     def end(self) -> int:
@@ -109,3 +110,12 @@ class Node:
             f"Node(id={self.id}, span=[{self.start},{self.end}), ckpts={sorted(self.checkpoints)}, "
             f"lock={self.lock_ref})"
         )
+
+
+def lcp(a: Sequence[int], key: Sequence[int], pos: int) -> int:
+    """Length of the common prefix of ``a`` and ``key[pos:]``."""
+    n = min(len(a), len(key) - pos)
+    i = 0
+    while i < n and a[i] == key[pos + i]:
+        i += 1
+    return i

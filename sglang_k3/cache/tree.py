@@ -50,22 +50,15 @@ from __future__ import annotations
 from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
-from sglang_k3.cache.ghosts import MissCounts, ReuseLearner
+from sglang_k3.cache.ghosts import EvictedKV, MissCounts, ReuseLearner
 from sglang_k3.cache.invariants import check_tree
 from sglang_k3.cache.node import Checkpoint, Node
+from sglang_k3.cache.node import lcp as _lcp
 from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.registry import CheckpointRegistry
 from sglang_k3.cache.results import InsertResult, MatchResult
 from sglang_k3.cache.retention import Retention
 from sglang_k3.cache.stats import CacheStats, MatchRecord
-
-
-def _lcp(a: Sequence[int], key: Sequence[int], pos: int) -> int:
-    n = min(len(a), len(key) - pos)
-    i = 0
-    while i < n and a[i] == key[pos + i]:
-        i += 1
-    return i
 
 
 class K3RadixTree(Retention, CheckpointRegistry):
@@ -107,6 +100,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
     # ------------------------------------------------------------------ bookkeeping
     def _reset_state(self) -> None:
         self.root = Node(id=self._new_id(), parent=None, start=0)
+        self.evicted = EvictedKV(self.page_size)  # ghosts of evicted KV (miss attribution)
         self._evictable_tokens = 0
         self._protected_tokens = 0
         self._reset_registry()
@@ -216,15 +210,16 @@ class K3RadixTree(Retention, CheckpointRegistry):
         )
         if best is not None and pin:
             res.pin = self.pin_hit(best)
-        self._ghost_hit(path, len(key), mla_len, cap, restore, learn=pin)
+        self._ghost_hit(path, key, mla_len, cap, restore, learn=pin)
         self.stats.record_match(MatchRecord(len(key), mla_len, restore, res.replayed_tokens))
         return res
 
-    def _ghost_hit(self, path: list[Node], key_len: int, mla_len: int, cap: int, restore: int, learn: bool) -> None:
-        """A match restored ``restore`` of ``key_len`` tokens: count the rest by cause
-        (``self.misses``, as ``stats`` counts every lookup), and, when it is admitted (``learn``),
-        a ghost it would have restored from (the deepest one in ``(restore, cap]``) as a use of its
-        class (:mod:`sglang_k3.cache.ghosts`)."""
+    def _ghost_hit(self, path: list[Node], key: Sequence, mla_len: int, cap: int, restore: int, learn: bool) -> None:
+        """A match restored ``restore`` of ``key``'s tokens: count the rest by cause
+        (``self.misses``, as ``stats`` counts every lookup; the evicted KV past ``mla_len`` from the
+        ghosts of evicted KV), and, when it is admitted (``learn``), a ghost it would have
+        restored from (the deepest one in ``(restore, cap]``) as a use of its class
+        (:mod:`sglang_k3.cache.ghosts`)."""
         gpos, ghost = 0, None
         for node in reversed(path):
             if node.end <= restore:
@@ -234,7 +229,9 @@ class K3RadixTree(Retention, CheckpointRegistry):
                     gpos, ghost = pos, g
             if ghost is not None:
                 break  # ghosts on deeper nodes sit at larger positions
-        self.misses.record(key_len, mla_len, cap, restore, gpos, ghost)
+        end = path[-1] if path else self.root
+        evicted = self.evicted.run(end.gone, key, mla_len) if mla_len == end.end else 0
+        self.misses.record(len(key), mla_len, cap, restore, gpos, ghost, evicted, self.capture_evicted)
         if learn and ghost is not None and ghost.watch >= 0:
             if self.reuse is not None:
                 self.reuse.reused(ghost.watch, self.policy.flops(restore, gpos))
@@ -355,6 +352,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
                     last_access=now,
                 )
                 node.children[tuple(leaf.key[:p])] = leaf
+                node.gone.pop(tuple(leaf.key[:p]), None)  # the KV evicted there is back
                 self._evictable_tokens += self._slots(leaf)
                 if self._ragged(leaf):
                     node.ragged += 1
@@ -462,11 +460,15 @@ class K3RadixTree(Retention, CheckpointRegistry):
         assert parent is not None
         if self._ragged(leaf):
             parent.ragged -= 1  # removed, or cut back to whole pages
+        held = self.total_size() + len(out)
         if cut == 0:
             assert not leaf.checkpoints
             del parent.children[tuple(leaf.key[: self.page_size])]
+            self.evicted.add(parent.gone, leaf.key, leaf.gone, held)
             leaf.parent = None
         else:
+            gone, leaf.gone = leaf.gone, {}
+            self.evicted.add(leaf.gone, leaf.key[cut:], gone, held)
             leaf.key, leaf.kv = leaf.key[:cut], leaf.kv[:cut]
             for pos in [q for q in leaf.ghosts if q > keep_end]:
                 del leaf.ghosts[pos]  # a ghost lives as long as the KV it sat on

@@ -176,12 +176,16 @@ COUNTERS: dict[str, str] = {
     "tier_l3_put_refused": "Mooncake tier: puts refused (no segment has room, or the master is unreachable).",
     "tier_l3_get_hits": "Mooncake tier: objects read.",
     "tier_l3_errors": "Mooncake tier: calls that failed (master down, RPC error): counted as misses.",
-    "miss_no_kv_tokens": "Prompt tokens not restored: no MLA KV for them (never seen, or their KV was evicted).",
+    "miss_never_seen_tokens": "Prompt tokens not restored: no MLA KV for them, and the cache never held it.",
+    "miss_kv_evicted_tokens": "Prompt tokens not restored: the cache held their MLA KV and evicted it.",
     "miss_no_state_tokens": "Prompt tokens not restored: KV present, but no state was placed near them.",
     "miss_state_dropped_tokens": (
         "Prompt tokens not restored: a state there was let go by a placement rule (turn end, recycling)."
     ),
-    "miss_state_evicted_tokens": "Prompt tokens not restored: a state there was evicted (and no tier had it).",
+    "miss_state_evicted_tokens": "Prompt tokens not restored: a state there was evicted (no lower tier is on).",
+    "miss_tier_missing_tokens": (
+        "Prompt tokens not restored: their state or KV was evicted with a lower tier on, and no tier gave it back."
+    ),
     "miss_alignment_tokens": "Prompt tokens not restored: the last token of a fully cached prompt.",
     **{
         f"reuse_{c}_{k}": f"Retention: {what}s {doc}."
