@@ -14,6 +14,12 @@ Each instance admits prompts per length class (``--admission-thresholds``, defau
 of long prompts holds at most half of an instance's prefill capacity). While it runs, the fleet's
 status is printed every ``--status-interval`` seconds; ``python -m sglang_k3.fleet.status
 --router URL`` prints it on demand.
+
+A disaggregated fleet (``--pd``): prefill instances with the k3 cache, decode instances, and the
+router in PD mode; each request's MLA KV and KDA state cross from prefill to decode over Mooncake's
+transfer engine (TCP by default). No shared L3 in this mode yet:
+
+    python scripts/start_fleet.py --pd --prefill 1 --decode 1 --router-port 30000 [-- launch_server flags]
 """
 
 from __future__ import annotations
@@ -78,6 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="each class's share of an instance's prefill capacity (default 1.0 for the shortest, 0.5 for "
         "the others); --k3-admission-shares",
     )
+    ap.add_argument(
+        "--pd",
+        action="store_true",
+        help="a disaggregated fleet (SGLang's --disaggregation-mode): --prefill instances compute prompts "
+        "with the k3 cache and hand each request's MLA KV and KDA state to --decode instances over "
+        "Mooncake's transfer engine; the router runs with --pd-disaggregation (no shared L3 in this mode)",
+    )
+    ap.add_argument("--prefill", type=int, default=1, help="with --pd: prefill instances (default 1)")
+    ap.add_argument("--decode", type=int, default=1, help="with --pd: decode instances (default 1)")
+    ap.add_argument(
+        "--pd-backend",
+        choices=("mooncake_tcp", "mooncake"),
+        default="mooncake_tcp",
+        help="with --pd: SGLang's --disaggregation-transfer-backend (default mooncake_tcp: TCP, no RDMA "
+        "needed; mooncake uses RDMA where there is some)",
+    )
     ap.add_argument("--log-dir", default=None, help="where the processes log (default: the temp directory)")
     ap.add_argument(
         "--status-interval",
@@ -92,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> FleetSpec:
     if args.instances < 1:
         ap.error("--instances must be >= 1")
+    if args.pd and (args.prefill < 1 or args.decode < 1):
+        ap.error("--pd needs --prefill and --decode of at least 1")
     if not (0 < args.router_port < 65536):
         ap.error("--router-port must be a TCP port")
     if args.status_interval < 0:
@@ -112,11 +136,14 @@ def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Fle
         instances=args.instances,
         policy=args.policy,
         router_port=args.router_port,
-        shared_l3=not args.no_shared_l3,
+        shared_l3=not (args.no_shared_l3 or args.pd),
         segment_bytes=seg,
         store_segment_bytes=store,
         instance_args=tuple(adm + extra),
         log_dir=args.log_dir,
+        prefill=args.prefill if args.pd else 0,
+        decode=args.decode if args.pd else 0,
+        pd_backend=args.pd_backend,
     )
 
 
@@ -124,13 +151,14 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     spec = spec_from_args(args, ap)
-    if spec.shared_l3:
+    if spec.shared_l3 or spec.pd:
         # Before anything starts: the instances' --k3-mooncake and the store holder load the same
         # client library the master's binary needs (sglang_k3/tiers/system_deps.py).
         try:
-            store_client_class("start_fleet.py")
+            store_client_class("start_fleet.py --pd" if spec.pd else "start_fleet.py")
         except MissingDependency as e:
-            print(f"error: {e}\n(--no-shared-l3 starts the fleet without the shared Mooncake L3)", file=sys.stderr)
+            hint = "" if spec.pd else "\n(--no-shared-l3 starts the fleet without the shared Mooncake L3)"
+            print(f"error: {e}{hint}", file=sys.stderr)
             return 1
     fleet = LocalFleet(spec)
     exit_on_stop_signals()  # SIGTERM and Ctrl-C run the finally below

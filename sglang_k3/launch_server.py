@@ -151,6 +151,47 @@ def _check_mooncake_client() -> None:
         raise SystemExit(f"error: {e}") from None
 
 
+# Prefill/decode disaggregation (SGLang's --disaggregation-mode), measured on CPU with Mooncake
+# over TCP (docs/user_guide.md, "Prefill/decode disaggregation"; SGLang 0.5.23 paths):
+# * its KV transfer registers one contiguous region per layer (MLATokenToKVPool.
+#   get_contiguous_buf_infos) and addresses token i of layer l at ptr_l + i * row. k3's unified
+#   memory interleaves the layers' rows in one buffer, so the regions overlap: Mooncake refuses to
+#   register them (logged at debug level only) and every transfer fails. So a PD server runs the
+#   k3 cache over SGLang's own pools.
+# * a prefill on CPU: disaggregation/prefill.py::_send_kv_chunk takes a pinned-memory, CUDA-event
+#   path for Mooncake's host-tensor indices unless this switch sends every CP rank's indices
+#   (the plain path; with one CP rank it changes nothing else); and under the overlap scheduler a
+#   prefix hit records a CUDA event on the forward stream (maybe_send_cached_prefix_chunk). Both
+#   stop the scheduler on a machine without CUDA.
+PD_CPU_PREFILL_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+
+
+def _pd_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], K3Config]:
+    """What a prefill or decode server of a disaggregated deployment needs (reasons above)."""
+    import dataclasses
+
+    mode = _value(argv, "--disaggregation-mode")
+    if mode not in ("prefill", "decode"):
+        return argv, cfg
+    if cfg.unified_memory:
+        print(
+            f"sglang-k3: --disaggregation-mode {mode}: the k3 cache runs over SGLang's own KV and state pools "
+            "(as --k3-no-unified-memory): the KV transfer needs each layer's KV contiguous",
+            file=sys.stderr,
+        )
+        cfg = dataclasses.replace(cfg, unified_memory=False)
+        if (cfg.host_tier_gib > 0 or cfg.mooncake) and cfg.checkpoint_dtype == "fp32":
+            raise SystemExit(
+                f"--disaggregation-mode {mode} runs without unified memory, where --k3-host-tier-gib and "
+                "--k3-mooncake need --k3-checkpoint-dtype int8 or bf16"
+            )
+    if cpu and mode == "prefill":
+        os.environ.setdefault(PD_CPU_PREFILL_ENV, "1")
+        if _k3_serves(argv):
+            argv = _with_defaults(argv, [("--disable-overlap-schedule", None)])
+    return argv, cfg
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     """Split our flags off ``argv`` and return SGLang's argv with our defaults added."""
     ours = argparse.ArgumentParser(add_help=False)
@@ -185,7 +226,9 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         # processed (sglang_k3/state/export_stash.py). Set it to 0 to overlap them anyway: those
         # prefills then leave no chunk-boundary checkpoints (never a wrong one).
         os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1")
-    if cfg.cpu_defaults and cpu_platform_wanted():
+    cpu = cfg.cpu_defaults and cpu_platform_wanted()
+    rest, cfg = _pd_defaults(rest, cfg, cpu)
+    if cpu:
         rest = _with_defaults(rest, _cpu_defaults_for(rest))
     return rest, cfg
 

@@ -2,6 +2,13 @@
 their L3 tier, and sglang-router in front. ``scripts/start_fleet.py``, the fleet tests and the
 fleet benchmark all start it through :class:`LocalFleet`.
 
+With ``prefill`` and ``decode`` set, the fleet is disaggregated instead (SGLang's
+``--disaggregation-mode``): prefill instances, each with its own bootstrap port, hand every
+request's MLA KV and KDA state to a decode instance over Mooncake's transfer engine
+(``pd_backend``; ``mooncake_tcp`` runs without RDMA), and the router runs with
+``--pd-disaggregation``. The k3 cache serves on the prefill side (hits are reported there);
+SGLang runs the decode side without a prefix cache. No shared L3 in this mode yet.
+
 By default the pool's memory is held by a standalone store client (``tiers/store_holder.py``), so a
 state outlives the instance that wrote it; with ``store_segment_bytes=0`` the instances hold it.
 Every process runs in its own process group and :meth:`LocalFleet.stop` stops them in reverse
@@ -17,7 +24,7 @@ from typing import Callable, Optional
 
 import requests
 
-from sglang_k3.fleet.instance import Server
+from sglang_k3.fleet.instance import Server, free_port
 from sglang_k3.fleet.instance_info import INFO_PATH
 from sglang_k3.fleet.router_process import RouterProcess
 
@@ -53,9 +60,27 @@ class FleetSpec:
     instance_args: tuple[str, ...] = ()  # every instance's launch_server flags
     router_args: tuple[str, ...] = ()  # extra router flags
     log_dir: Optional[str] = None
+    prefill: int = 0  # with decode: a disaggregated fleet of this many prefill instances
+    decode: int = 0  # ... and this many decode instances (``instances`` is then unused)
+    pd_backend: str = "mooncake_tcp"  # SGLang's --disaggregation-transfer-backend
+
+    @property
+    def pd(self) -> bool:
+        return bool(self.prefill or self.decode)
 
     def __post_init__(self) -> None:
-        if self.instances < 1:
+        if self.pd:
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError(
+                    f"a disaggregated fleet needs at least 1 prefill and 1 decode instance "
+                    f"(got {self.prefill} and {self.decode})"
+                )
+            if self.shared_l3:
+                raise ValueError(
+                    "a disaggregated fleet runs without the shared Mooncake L3 for now: pass --no-shared-l3 "
+                    "(shared_l3=False)"
+                )
+        elif self.instances < 1:
             raise ValueError(f"a fleet needs at least 1 instance (got {self.instances})")
         if self.segment_bytes < 16 << 20:
             raise ValueError("each instance's Mooncake segment must be at least 16 MiB")
@@ -74,6 +99,7 @@ class LocalFleet:
         self.holder = None
         self.instances: list[Server] = []
         self.router: Optional[RouterProcess] = None
+        self.bootstrap_ports: dict[str, int] = {}  # prefill instance name -> its bootstrap port
 
     @property
     def url(self) -> str:
@@ -105,25 +131,56 @@ class LocalFleet:
                 self.progress(f"fleet: a store client holds the pool ({s.store_segment_bytes >> 20} MiB)")
             env.update(self.master.client_env(0 if s.store_segment_bytes else s.segment_bytes))
             args = list(SHARED_L3_ARGS) + args
-        self.instances = [
-            Server(f"fleet{i}", args, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
-            for i in range(s.instances)
-        ]
+        if s.pd:
+            self.instances = self._pd_instances(args, env)
+        else:
+            self.instances = [
+                Server(f"fleet{i}", args, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
+                for i in range(s.instances)
+            ]
         for srv in self.instances:
             srv.launch()
-        self.progress(f"fleet: starting {s.instances} instances (logs {self.instances[0].log_path} ...)")
+        self.progress(f"fleet: starting {len(self.instances)} instances (logs {self.instances[0].log_path} ...)")
         for srv in self.instances:
             srv.wait_healthy()
             self.progress(f"fleet: instance {srv.name} healthy at {srv.url} after {srv.start_seconds:.0f}s")
         self.start_router(s.policy)
+
+    def _pd_instances(self, args: list[str], env: dict) -> list[Server]:
+        """Prefill instances (each with a bootstrap port the router passes on to decode), then
+        decode instances; their CPU threads split over all of them."""
+        s = self.spec
+        env = {**env, **cpu_threads_env(s.prefill + s.decode)}
+        backend = ["--disaggregation-transfer-backend", s.pd_backend]
+        out = []
+        self.bootstrap_ports = {}
+        for i in range(s.prefill):
+            port = free_port()
+            role = ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port), *backend]
+            srv = Server(f"prefill{i}", args + role, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
+            self.bootstrap_ports[srv.name] = port
+            out.append(srv)
+        for i in range(s.decode):
+            role = ["--disaggregation-mode", "decode", *backend]
+            out.append(
+                Server(f"decode{i}", args + role, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
+            )
+        return out
 
     def start_router(self, policy: str, urls: Optional[list[str]] = None) -> RouterProcess:
         """(Re)start the router with ``policy`` in front of ``urls`` (default: every live instance)."""
         if self.router is not None:
             self.router.stop()
         urls = urls or [srv.url for srv in self.instances if srv.alive()]
+        pd = None
+        if self.spec.pd:
+            by_url = {srv.url: srv for srv in self.instances}
+            prefill = [
+                (u, self.bootstrap_ports[by_url[u].name]) for u in urls if by_url[u].name in self.bootstrap_ports
+            ]
+            pd = (prefill, [u for u in urls if by_url[u].name not in self.bootstrap_ports])
         self.router = RouterProcess(
-            urls, policy, port=self.spec.router_port, extra_args=self.spec.router_args, log_dir=self.spec.log_dir
+            urls, policy, port=self.spec.router_port, extra_args=self.spec.router_args, log_dir=self.spec.log_dir, pd=pd
         ).start()
         self.progress(f"fleet: router ({policy}) on {self.router.url} in front of {len(urls)} instances")
         return self.router

@@ -40,6 +40,10 @@ FAILOVER_ARGS: tuple[str, ...] = (
     "--retry-backoff-multiplier", "2",
     "--retry-max-backoff-ms", "3000",
 )  # fmt: skip
+# A disaggregated fleet on a few CPU cores: a prefill instance answers /health only between long
+# prefills (SGLang's health request queues behind them), so the router waits longer before it
+# marks one unhealthy.
+PD_ARGS: tuple[str, ...] = ("--health-check-timeout-secs", "60")
 POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "power_of_two", "random", "manual")
 
 
@@ -59,21 +63,34 @@ class RouterProcess(GroupProcess):
         extra_args: Sequence[str] = (),
         failover: bool = True,
         log_dir: Optional[str] = None,
+        pd: Optional[tuple[Sequence[tuple[str, int]], Sequence[str]]] = None,
     ):
+        """``pd``: ``(prefill (url, bootstrap port) pairs, decode urls)`` runs the router with
+        ``--pd-disaggregation`` in front of them (``worker_urls`` then lists them all)."""
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.worker_urls, self.policy, self.host = list(worker_urls), policy, host
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
-        self.extra_args = list(extra_args) + (list(FAILOVER_ARGS) if failover else [])
+        self.pd = pd
+        self.extra_args = list(extra_args) + (list(FAILOVER_ARGS) if failover else []) + (list(PD_ARGS) if pd else [])
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"sglang_k3_router_{self.port}.log")
 
     @property
     def command(self) -> list[str]:
+        if self.pd is None:
+            workers = ["--worker-urls", *self.worker_urls]
+        else:
+            prefill, decode = self.pd
+            workers = ["--pd-disaggregation"]
+            for url, bootstrap in prefill:
+                workers += ["--prefill", url, str(bootstrap)]
+            for url in decode:
+                workers += ["--decode", url]
         return [
             sys.executable, "-m", "sglang_k3.fleet.launch_router",
             "--host", self.host, "--port", str(self.port),
-            "--worker-urls", *self.worker_urls,
+            *workers,
             "--policy", self.policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--log-level", "warn",
