@@ -17,7 +17,8 @@ status is printed every ``--status-interval`` seconds; ``python -m sglang_k3.fle
 
 A disaggregated fleet (``--pd``): prefill instances with the k3 cache, decode instances, and the
 router in PD mode; each request's MLA KV and KDA state cross from prefill to decode over Mooncake's
-transfer engine (TCP by default). No shared L3 in this mode yet:
+transfer engine (TCP by default), and with the shared L3 each finished turn's state and answer come
+back from decode through it, so the next turn's prefill restores them:
 
     python scripts/start_fleet.py --pd --prefill 1 --decode 1 --router-port 30000 [-- launch_server flags]
 """
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a disaggregated fleet (SGLang's --disaggregation-mode): --prefill instances compute prompts "
         "with the k3 cache and hand each request's MLA KV and KDA state to --decode instances over "
-        "Mooncake's transfer engine; the router runs with --pd-disaggregation (no shared L3 in this mode)",
+        "Mooncake's transfer engine; the router runs with --pd-disaggregation. With the shared L3 (unless "
+        "--no-shared-l3) decode writes each finished turn's state and answer through to it, and the next "
+        "turn's prefill restores them",
     )
     ap.add_argument("--prefill", type=int, default=1, help="with --pd: prefill instances (default 1)")
     ap.add_argument("--decode", type=int, default=1, help="with --pd: decode instances (default 1)")
@@ -136,7 +139,7 @@ def spec_from_args(args: argparse.Namespace, ap: argparse.ArgumentParser) -> Fle
         instances=args.instances,
         policy=args.policy,
         router_port=args.router_port,
-        shared_l3=not (args.no_shared_l3 or args.pd),
+        shared_l3=not args.no_shared_l3,
         segment_bytes=seg,
         store_segment_bytes=store,
         instance_args=tuple(adm + extra),

@@ -180,11 +180,6 @@ def _pd_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], 
             file=sys.stderr,
         )
         cfg = dataclasses.replace(cfg, unified_memory=False)
-        if (cfg.host_tier_gib > 0 or cfg.mooncake) and cfg.checkpoint_dtype == "fp32":
-            raise SystemExit(
-                f"--disaggregation-mode {mode} runs without unified memory, where --k3-host-tier-gib and "
-                "--k3-mooncake need --k3-checkpoint-dtype int8 or bf16"
-            )
     if cpu and mode == "prefill":
         os.environ.setdefault(PD_CPU_PREFILL_ENV, "1")
         if _k3_serves(argv):

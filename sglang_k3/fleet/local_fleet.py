@@ -6,8 +6,12 @@ With ``prefill`` and ``decode`` set, the fleet is disaggregated instead (SGLang'
 ``--disaggregation-mode``): prefill instances, each with its own bootstrap port, hand every
 request's MLA KV and KDA state to a decode instance over Mooncake's transfer engine
 (``pd_backend``; ``mooncake_tcp`` runs without RDMA), and the router runs with
-``--pd-disaggregation``. The k3 cache serves on the prefill side (hits are reported there);
-SGLang runs the decode side without a prefix cache. No shared L3 in this mode yet.
+``--pd-disaggregation``. The k3 cache serves on the prefill side (hits are reported there). With
+the shared L3 (the default) the decode side runs a k3 cache too
+(``--disaggregation-decode-enable-radix-cache``) that writes every finished turn's boundary (its
+state and the KV of the tokens it generated) through to Mooncake, where the next turn's prefill,
+on any prefill instance, restores it instead of recomputing the answer; without it, SGLang runs the
+decode side with no prefix cache and the previous answer is prefilled again.
 
 By default the pool's memory is held by a standalone store client (``tiers/store_holder.py``), so a
 state outlives the instance that wrote it; with ``store_segment_bytes=0`` the instances hold it.
@@ -74,11 +78,6 @@ class FleetSpec:
                 raise ValueError(
                     f"a disaggregated fleet needs at least 1 prefill and 1 decode instance "
                     f"(got {self.prefill} and {self.decode})"
-                )
-            if self.shared_l3:
-                raise ValueError(
-                    "a disaggregated fleet runs without the shared Mooncake L3 for now: pass --no-shared-l3 "
-                    "(shared_l3=False)"
                 )
         elif self.instances < 1:
             raise ValueError(f"a fleet needs at least 1 instance (got {self.instances})")
@@ -160,8 +159,10 @@ class LocalFleet:
             srv = Server(f"prefill{i}", args + role, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
             self.bootstrap_ports[srv.name] = port
             out.append(srv)
+        # with the shared L3, decode keeps a k3 cache that writes each turn's end through to it
+        hand_back = ["--disaggregation-decode-enable-radix-cache"] if s.shared_l3 else []
         for i in range(s.decode):
-            role = ["--disaggregation-mode", "decode", *backend]
+            role = ["--disaggregation-mode", "decode", *backend, *hand_back]
             out.append(
                 Server(f"decode{i}", args + role, env=env or None, log_dir=s.log_dir, log_prefix="sglang_k3_fleet")
             )

@@ -117,8 +117,9 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=64,
         metavar="N",
         help="Only with --k3-no-unified-memory: size of the int8/bf16 checkpoint pool in "
-        "checkpoints (default 64; fp32 checkpoints share --max-mamba-cache-size instead). Under "
-        "unified memory the number of checkpoints is decided by their value, not by a count.",
+        "checkpoints (default 64; fp32 checkpoints share --max-mamba-cache-size instead, unless a "
+        "lower tier is on: then they have a pool of this many fp32 slots). Under unified memory the "
+        "number of checkpoints is decided by their value, not by a count.",
     )
     g.add_argument(
         "--k3-no-unified-memory",
@@ -271,11 +272,6 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         raise SystemExit("--k3-tier-write-queue-mib must be >= 0 (0: synchronous writes)")
     if not (0 <= ns.k3_host_tier_gib < float("inf")):
         raise SystemExit("--k3-host-tier-gib must be a finite number >= 0")
-    if (ns.k3_host_tier_gib > 0 or ns.k3_mooncake) and ns.k3_no_unified_memory and ns.k3_checkpoint_dtype == "fp32":
-        raise SystemExit(
-            "--k3-host-tier-gib and --k3-mooncake move checkpoints out of a checkpoint pool: use unified memory (the "
-            "default) or --k3-checkpoint-dtype int8/bf16 with --k3-no-unified-memory"
-        )
     if ns.k3_max_checkpoints and ns.k3_min_checkpoints > ns.k3_max_checkpoints:
         raise SystemExit("--k3-min-checkpoints is above --k3-max-checkpoints")
     if (ns.k3_admission_shares or ns.k3_admission_capacity_tokens) and not ns.k3_admission_thresholds:

@@ -32,10 +32,7 @@ def build_tiers(cfg: K3Config, ctx: Optional[TierContext], mla_pool, store) -> O
         return None
     pool = getattr(store, "pool", None)
     if pool is None or not hasattr(pool, "slot_parts"):
-        raise ValueError(
-            "lower tiers need checkpoints in a checkpoint pool: unified memory (the default) "
-            "or --k3-checkpoint-dtype int8/bf16"
-        )
+        raise ValueError("lower tiers need checkpoints in a checkpoint pool (make_store(pooled=True) puts them there)")
     if mla_pool is None:
         raise ValueError("lower tiers need an MLA KV pool (a Kimi-Linear-style model)")
     if ctx is None:

@@ -15,7 +15,9 @@ the lifecycle's :class:`~sglang_k3.cache.ports.CheckpointStore` interface.
 Under unified memory (the default) every dtype uses :class:`QuantizedStore` (fp32 as a bit-exact
 copy), its pool a set of views into the unified buffer whose handles the budget's ledger hands
 out (:class:`UnifiedCheckpointMemory`); :class:`NativeSlotStore` serves ``--k3-no-unified-memory`` with
-fp32 checkpoints.
+fp32 checkpoints, unless a lower tier is on: a tier reads and writes checkpoints as slots of a
+checkpoint pool, so fp32 ones then go to a pool of ``--k3-checkpoint-slots`` fp32 slots of their
+own (a bit-exact copy, not a donated slot).
 
 Neither touches SGLang's request objects: ``restore`` returns what SGLang's own copy mechanism
 should read, and the cache writes the request.
@@ -255,14 +257,17 @@ def make_store(
     evict_bytes: Callable[[int], object],
     fwd: ForwardState,
     unified: Optional[UnifiedCheckpointMemory] = None,
+    pooled: bool = False,
 ):
     """The checkpoint store for ``dtype``. With ``unified`` every dtype (fp32 included: a bit-exact
-    copy, not a donated slot) goes to the quantized store in the unified budget."""
+    copy, not a donated slot) goes to the quantized store in the unified budget. ``pooled``: the
+    checkpoints must be slots of a checkpoint pool (a lower tier moves them), so fp32 ones go to a
+    pool of ``num_slots`` fp32 slots instead of the mamba pool."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     if unified is not None:
         return QuantizedStore(slots, dtype, 0, evict_bytes, fwd, unified)
-    if dtype == "fp32":
+    if dtype == "fp32" and not pooled:
         if slots.pool.mamba_cache.temporal.dtype != torch.float32:
             raise ValueError(
                 "--k3-checkpoint-dtype fp32 keeps checkpoints in the mamba pool, whose recurrent state is not fp32 here"
