@@ -90,3 +90,50 @@ def test_a_conversation_through_the_pd_fleet_equals_one_cache_off_server(pd_flee
     # the answers came back through the L3: written by decode, read by prefill
     assert dec["tier_saves"] - before[decode.name]["tier_saves"] >= 9, dec
     assert pre["tier_l3_hits"] - before[prefill.name]["tier_l3_hits"] >= 9, pre
+
+
+def test_a_decode_instance_that_dies_fails_its_requests_cleanly_and_the_fleet_recovers(pd_fleet):
+    """Runs last (it kills the decode instance). A request in flight when the decode instance dies
+    gets an error from the router within a minute, not a hang; the prefill instance stays healthy
+    with no request left tracked. Once decode is back on its URL, the router routes to it again
+    and the conversation goes on with the cache-off server's greedy tokens, restoring the turn
+    decode handed back before it died."""
+    import threading
+    import time
+
+    f, plain = pd_fleet
+    prefill, decode = f.instances
+    rng = random.Random(SEED + 1)
+    ids = random_tokens(rng, 300)
+    first = _send(f.url, ids)["output_ids"]
+    ids = ids + first + random_tokens(rng, 20)
+    got: dict = {}
+
+    def in_flight() -> None:
+        t0 = time.time()
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
+        try:
+            r = requests.post(f.url + "/generate", json=body, timeout=300)
+            got["status"] = r.status_code
+        except requests.RequestException as e:
+            got["status"] = type(e).__name__
+        got["seconds"] = time.time() - t0
+
+    th = threading.Thread(target=in_flight)
+    th.start()
+    time.sleep(1.5)
+    decode.stop()
+    th.join(timeout=200)
+    assert not th.is_alive() and got["status"] != 200 and got["seconds"] < 90, got
+    assert requests.get(prefill.url + "/health", timeout=60).status_code == 200
+    deadline = time.time() + 60
+    while k3_state(prefill)["tracked_requests"] and time.time() < deadline:
+        time.sleep(1)
+    assert k3_state(prefill)["tracked_requests"] == 0
+    decode.launch().wait_healthy()
+    deadline = time.time() + 60
+    while decode.url not in f.router.healthy_urls() and time.time() < deadline:
+        time.sleep(1)
+    out = _send(f.url, ids)
+    assert out["output_ids"] == plain.generate(ids, NEW)["output_ids"]
+    assert out["meta_info"]["cached_tokens"] >= 300 + NEW - 1, out["meta_info"]
