@@ -33,7 +33,12 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def test_start_fleet_serves_and_ctrl_c_leaves_nothing_behind(tmp_path, server_factory):
+@pytest.mark.parametrize(
+    "shape", [["--instances", "1"], ["--pd", "--prefill", "1", "--decode", "1"]], ids=["instances", "pd"]
+)
+def test_start_fleet_serves_and_ctrl_c_leaves_nothing_behind(tmp_path, server_factory, shape):
+    """Both shapes: one instance behind the router, and a disaggregated fleet (``--pd``: a prefill
+    and a decode instance, the router in PD mode)."""
     import random
 
     from conftest import stop_servers_except
@@ -42,7 +47,7 @@ def test_start_fleet_serves_and_ctrl_c_leaves_nothing_behind(tmp_path, server_fa
     port = free_port()
     log = open(tmp_path / "start_fleet.out", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "scripts", "start_fleet.py"), "--instances", "1", "--router-port",
+        [sys.executable, os.path.join(REPO, "scripts", "start_fleet.py"), *shape, "--router-port",
          str(port), "--status-interval", "0", "--log-dir", str(tmp_path), "--segment", "64mb",
          "--", "--k3-checkpoint-dtype", "fp32"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -55,7 +60,7 @@ def test_start_fleet_serves_and_ctrl_c_leaves_nothing_behind(tmp_path, server_fa
             ready = "fleet ready" in (tmp_path / "start_fleet.out").read_text()
         assert ready, (tmp_path / "start_fleet.out").read_text()[-3000:]
         children = _descendants(proc.pid)
-        assert len(children) >= 3  # master, instance (+ its scheduler, detokenizer), router
+        assert len(children) >= 3 + (shape[0] == "--pd")  # master, instances (+ schedulers), router
         ids = random_tokens(random.Random(5), 120)
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
         r = requests.post(
