@@ -28,10 +28,16 @@
 #                 --enable-deterministic-inference: does it run with these backends, does the floor shrink?
 #   probe         benchmarks.gpu_probe: which of several server configurations serve a small batched
 #                 multi-turn workload, each alone, with CUDA_LAUNCH_BLOCKING=1 (PROBE_CONFIGS).
+#   tiermoves     benchmarks/gpu_tier_moves.py (no server): the tier's saves and loads against a plain
+#                 pinned copy, the writer thread's section included (the host-link fraction of issue
+#                 32). It needs the installed project (setup.py maps sglang_k3.kernels in), which is
+#                 why it runs here and not from the source tree (GPU_NOTES.md, fifth session).
+# Cold starts: on a fresh machine the differential's reference server took 195 s (Triton compiles)
+# and the candidates, started after it, 2 minutes more: keep ND_TIMEOUT above about 450.
 # Each phase keeps its own harness timeouts under the device's 600 s per call (ND_TIMEOUT for the
 # differentials), so that the archive is always written.
 set -u
-PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe}
+PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe|tiermoves}
 OUT=${OUT:?OUT must name the output folder (the device sets it)}
 # results gather here and come back as one archive, $OUT/PHASE.tar.gz (the device returns 8 files)
 RES=/tmp/res/$PHASE
@@ -156,8 +162,12 @@ probe)
   echo "gpu_probe exit $?"
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
+tiermoves)
+  timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm"
+  echo "gpu_tier_moves exit $?"
+  ;;
 *)
-  echo "unknown phase $PHASE (all, differential, ab, det, probe)"
+  echo "unknown phase $PHASE (all, differential, ab, det, probe, tiermoves)"
   exit 2
   ;;
 esac
