@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sglang_k3.cache.node import CheckpointKind, lcp
+from sglang_k3.cache.node import CheckpointKind, page_child
 
 
 class StateClass(enum.IntEnum):
@@ -226,27 +226,16 @@ class EvictedKV:
 
     def run(self, gone: dict, key: Sequence[int], pos: int) -> int:
         """Tokens of ``key`` from ``pos`` on that the cache held and evicted, following the
-        ghosts in ``gone`` (the ``gone`` of the node the match ended at, ``pos`` its end)."""
+        ghosts in ``gone`` (the ``gone`` of the node the match ended at, ``pos`` its end), each
+        found as a node's child is (:func:`~sglang_k3.cache.node.page_child`)."""
         total = 0
         while gone and pos < len(key):
-            span = self._child(gone, key, pos)
+            span, n = page_child(gone, key, pos, self.page)
             if span is None:
                 break
-            n = lcp(span.key, key, pos)
             total += n
             if n < len(span.key):
                 break
             pos += n
             gone = span.after
         return total
-
-    def _child(self, gone: dict, key: Sequence[int], pos: int) -> "GoneSpan | None":
-        p = self.page
-        if pos + p <= len(key):
-            return gone.get(tuple(key[pos : pos + p]))
-        best, best_n = None, 0  # the key ends inside a page: the longest partial match
-        for span in gone.values():
-            n = lcp(span.key[:p], key, pos)
-            if n > best_n:
-                best, best_n = span, n
-        return best

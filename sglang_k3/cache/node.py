@@ -119,3 +119,24 @@ def lcp(a: Sequence[int], key: Sequence[int], pos: int) -> int:
     while i < n and a[i] == key[pos + i]:
         i += 1
     return i
+
+
+def page_child(children: dict, key: Sequence[int], pos: int, page: int) -> tuple[Optional[object], int]:
+    """The entry of ``children`` (keyed by its first page of tokens, each with a ``key``) that
+    ``key[pos:]`` continues, and how many tokens the two share: the exact first page through the
+    dict; where the key diverges or ends inside the first page, the entry sharing the most tokens
+    of it (with one-token pages, a missing first token matches none). A node's children and the
+    ghosts of evicted KV hung past a node (:class:`~sglang_k3.cache.ghosts.EvictedKV`) are both
+    looked up so."""
+    if pos + page <= len(key):
+        child = children.get(tuple(key[pos : pos + page]))
+        if child is not None:
+            return child, lcp(child.key, key, pos)
+        if page == 1:
+            return None, 0
+    best, best_n = None, 0
+    for child in children.values():
+        n = lcp(child.key[:page], key, pos)
+        if n > best_n:
+            best, best_n = child, n
+    return best, best_n

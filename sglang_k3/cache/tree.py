@@ -52,8 +52,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.ghosts import EvictedKV, MissCounts, ReuseLearner
 from sglang_k3.cache.invariants import check_tree
-from sglang_k3.cache.node import Checkpoint, Node
-from sglang_k3.cache.node import lcp as _lcp
+from sglang_k3.cache.node import Checkpoint, Node, lcp, page_child
 from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.registry import CheckpointRegistry
 from sglang_k3.cache.results import InsertResult, MatchResult
@@ -138,19 +137,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
 
     # ------------------------------------------------------------------ matching
     def _find_child(self, node: Node, key: Sequence[int], pos: int) -> tuple[Optional[Node], int]:
-        p = self.page_size
-        if pos + p <= len(key):
-            child = node.children.get(tuple(key[pos : pos + p]))
-            if child is not None:
-                return child, _lcp(child.key, key, pos)
-            if p == 1:
-                return None, 0  # one-token pages: a missing first token matches no sibling
-        best, best_n = None, 0  # divergence or end of key inside the first page: scan siblings
-        for child in node.children.values():
-            n = _lcp(child.key[:p], key, pos)
-            if n > best_n:
-                best, best_n = child, n
-        return best, best_n
+        return page_child(node.children, key, pos, self.page_size)  # type: ignore[return-value]
 
     def _walk(self, key: Sequence[int]) -> tuple[list[Node], int]:
         """Phase 1: nodes touched by the longest token match and its length."""
@@ -359,7 +346,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
                 dup.extend(self._absorb_ragged(node, leaf))
                 node, pos = leaf, limit
                 break
-            n = min(_lcp(child.key, key, pos), limit - pos) // p * p
+            n = min(lcp(child.key, key, pos), limit - pos) // p * p
             if n < len(child.key):
                 child = self._split(child, n)
             dup.extend(kv[pos + i] for i in range(n) if kv[pos + i] != child.kv[i])
