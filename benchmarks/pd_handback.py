@@ -24,6 +24,7 @@ transfer engine carries the KV and states between the instances) and sglang-rout
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -77,22 +78,20 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run_one(name: str, args, vocab: list[int], log_dir: str) -> tuple[dict, dict, dict]:
-    """Start ``name``'s deployment, run the workload through it, stop it: (metrics, outputs, tier counters)."""
-    from sglang_k3.fleet.instance import Server, k3_state
+@contextlib.contextmanager
+def _deployment(name: str, server_args: list[str], log_dir: str):
+    """``name``'s deployment, started: yields (the URL to send to, the servers whose k3 counters
+    to read). Stopped on exit."""
+    from sglang_k3.fleet.instance import Server
     from sglang_k3.fleet.local_fleet import FleetSpec, LocalFleet
 
-    server_args = shlex.split(args.server_args)
     if name == "single":
         srv = Server("single", server_args, log_dir=log_dir, log_prefix="pd_handback")
         try:
-            srv.start()
-            metrics, outputs = wl.run_multiturn(
-                srv.url, name, vocab, interleaved=True, verbose=not args.quiet, **wl.multiturn_kwargs(args)
-            )
-            return metrics, outputs, {}
+            yield srv.start().url, []
         finally:
             srv.stop()
+        return
     spec = FleetSpec(
         prefill=1,
         decode=1,
@@ -102,11 +101,20 @@ def _run_one(name: str, args, vocab: list[int], log_dir: str) -> tuple[dict, dic
         log_dir=log_dir,
     )
     with LocalFleet(spec, progress=_say) as fleet:
+        yield fleet.url, fleet.instances
+
+
+def _run_one(name: str, args, vocab: list[int], log_dir: str) -> tuple[dict, dict, dict]:
+    """Start ``name``'s deployment, run the workload through it, stop it: (metrics, outputs, the
+    PD instances' tier counters)."""
+    from sglang_k3.fleet.instance import k3_state
+
+    with _deployment(name, shlex.split(args.server_args), log_dir) as (url, instances):
         metrics, outputs = wl.run_multiturn(
-            fleet.url, name, vocab, interleaved=True, verbose=not args.quiet, **wl.multiturn_kwargs(args)
+            url, name, vocab, interleaved=True, verbose=not args.quiet, **wl.multiturn_kwargs(args)
         )
         tiers = {}
-        for srv in fleet.instances:
+        for srv in instances:
             try:
                 st = k3_state(srv.url)
             except KeyError:  # no k3 cache there (decode without the shared L3 runs none)

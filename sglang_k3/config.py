@@ -95,6 +95,11 @@ class K3Config:
                 f"min_checkpoints ({self.min_checkpoints}) is above max_checkpoints ({self.max_checkpoints})"
             )
 
+    @property
+    def lower_tiers(self) -> bool:
+        """A lower tier is on (host memory or Mooncake): evicted boundaries are kept below."""
+        return self.host_tier_gib > 0 or self.mooncake
+
     def to_env(self) -> None:
         os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(self))
 

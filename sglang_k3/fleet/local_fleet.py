@@ -116,7 +116,7 @@ class LocalFleet:
 
     def _start(self) -> None:
         s = self.spec
-        env = cpu_threads_env(s.instances)
+        env = cpu_threads_env(s.prefill + s.decode if s.pd else s.instances)
         args = list(s.instance_args)
         if s.shared_l3:
             from sglang_k3.tiers.mooncake_master import MooncakeMaster
@@ -147,9 +147,8 @@ class LocalFleet:
 
     def _pd_instances(self, args: list[str], env: dict) -> list[Server]:
         """Prefill instances (each with a bootstrap port the router passes on to decode), then
-        decode instances; their CPU threads split over all of them."""
+        decode instances."""
         s = self.spec
-        env = {**env, **cpu_threads_env(s.prefill + s.decode)}
         backend = ["--disaggregation-transfer-backend", s.pd_backend]
         out = []
         self.bootstrap_ports = {}

@@ -42,7 +42,8 @@ FAILOVER_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 # A disaggregated fleet on a few CPU cores: a prefill instance answers /health only between long
 # prefills (SGLang's health request queues behind them), so the router waits longer before it
-# marks one unhealthy.
+# marks one unhealthy. Given after FAILOVER_ARGS' 25 s, which it overrides (the router's argparse
+# keeps the last value).
 PD_ARGS: tuple[str, ...] = ("--health-check-timeout-secs", "60")
 POLICIES = ("round_robin", "cache_aware", "consistent_hashing", "power_of_two", "random", "manual")
 

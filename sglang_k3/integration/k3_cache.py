@@ -104,7 +104,7 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
             self._evict_for_checkpoint,
             self.fwd,
             ckpt_memory,
-            pooled=cfg.host_tier_gib > 0 or cfg.mooncake,
+            pooled=cfg.lower_tiers,
         )
         # Lower tiers (--k3-host-tier-gib): evicted boundaries go to host memory, admitted requests
         # bring the deepest usable one back (sglang_k3.tiers); None when off.

@@ -28,7 +28,7 @@ class TierContext:
 
 def build_tiers(cfg: K3Config, ctx: Optional[TierContext], mla_pool, store) -> Optional[TierManager]:
     """The tier manager for ``cfg``, or None when no lower tier is on."""
-    if cfg.host_tier_gib <= 0 and not cfg.mooncake:
+    if not cfg.lower_tiers:
         return None
     pool = getattr(store, "pool", None)
     if pool is None or not hasattr(pool, "slot_parts"):
