@@ -41,7 +41,17 @@ from benchmarks.live_ab import git_info, machine_info  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "pd_handback")
 NAMES = ("single", "pd", "pd_handback")
-TIER_STATS = ("tier_saves", "tier_l3_puts", "tier_l3_hits", "tier_l3_hit_tokens", "tier_loads", "tier_load_tokens")
+# per PD instance with a k3 cache: the L3 traffic of the hand-back, and the unified budget (> 0: the
+# instance runs unified memory, as every k3 server does by default)
+TIER_STATS = (
+    "tier_saves",
+    "tier_l3_puts",
+    "tier_l3_hits",
+    "tier_l3_hit_tokens",
+    "tier_loads",
+    "tier_load_tokens",
+    "memory_budget_bytes",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +116,7 @@ def _deployment(name: str, server_args: list[str], log_dir: str):
 
 def _run_one(name: str, args, vocab: list[int], log_dir: str) -> tuple[dict, dict, dict]:
     """Start ``name``'s deployment, run the workload through it, stop it: (metrics, outputs, the
-    PD instances' tier counters)."""
+    PD instances' tier counters and unified budgets)."""
     from sglang_k3.fleet.instance import k3_state
 
     with _deployment(name, shlex.split(args.server_args), log_dir) as (url, instances):

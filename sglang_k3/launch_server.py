@@ -154,10 +154,9 @@ def _check_mooncake_client() -> None:
 # Prefill/decode disaggregation (SGLang's --disaggregation-mode), measured on CPU with Mooncake
 # over TCP (docs/user_guide.md, "Prefill/decode disaggregation"; SGLang 0.5.23 paths):
 # * its KV transfer registers one contiguous region per layer (MLATokenToKVPool.
-#   get_contiguous_buf_infos) and addresses token i of layer l at ptr_l + i * row. k3's unified
-#   memory interleaves the layers' rows in one buffer, so the regions overlap: Mooncake refuses to
-#   register them (logged at debug level only) and every transfer fails. So a PD server runs the
-#   k3 cache over SGLang's own pools.
+#   get_contiguous_buf_infos); over k3's unified buffer those regions overlap and Mooncake refused
+#   them. The unified pools describe themselves as one region with whole-page and whole-slot
+#   entries instead (unified_memory.describe_for_transfer), so a PD server keeps unified memory.
 # * a prefill on CPU: disaggregation/prefill.py::_send_kv_chunk takes a pinned-memory, CUDA-event
 #   path for Mooncake's host-tensor indices unless this switch sends every CP rank's indices
 #   (the plain path; with one CP rank it changes nothing else); and under the overlap scheduler a
@@ -168,18 +167,9 @@ PD_CPU_PREFILL_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 def _pd_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], K3Config]:
     """What a prefill or decode server of a disaggregated deployment needs (reasons above)."""
-    import dataclasses
-
     mode = _value(argv, "--disaggregation-mode")
     if mode not in ("prefill", "decode"):
         return argv, cfg
-    if cfg.unified_memory:
-        print(
-            f"sglang-k3: --disaggregation-mode {mode}: the k3 cache runs over SGLang's own KV and state pools "
-            "(as --k3-no-unified-memory): the KV transfer needs each layer's KV contiguous",
-            file=sys.stderr,
-        )
-        cfg = dataclasses.replace(cfg, unified_memory=False)
     if cpu and mode == "prefill":
         os.environ.setdefault(PD_CPU_PREFILL_ENV, "1")
         if _k3_serves(argv):

@@ -232,12 +232,12 @@ def test_host_tier_flags_are_checked_before_the_server_starts():
     assert from_namespace(parser.parse_args([])).host_tier_gib == 0  # off by default
 
 
-def test_a_disaggregated_server_runs_the_k3_cache_over_sglangs_own_pools(monkeypatch, capsys):
-    """--disaggregation-mode prefill|decode: SGLang's KV transfer needs each layer's KV contiguous,
-    which k3's unified buffer is not, so the k3 cache runs over SGLang's pools, and says so. On a
-    CPU prefill the transfer takes its plain (non-CUDA) path and, with the k3 cache, the overlap
-    scheduler is off (a prefix hit would record a CUDA event there). A non-PD server is unchanged;
-    what the user gives wins."""
+def test_a_disaggregated_cpu_prefill_takes_the_plain_transfer_path_without_overlap(monkeypatch):
+    """--disaggregation-mode prefill|decode keeps unified memory (the transfer moves whole pages
+    and slots of its one buffer: unified_memory.describe_for_transfer). On a CPU prefill the
+    transfer takes its plain (non-CUDA) path and, with the k3 cache, the overlap scheduler is off
+    (a prefix hit would record a CUDA event there). A non-PD server is unchanged; what the user
+    gives wins."""
     from sglang_k3 import launch_server as L
 
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
@@ -247,16 +247,16 @@ def test_a_disaggregated_server_runs_the_k3_cache_over_sglangs_own_pools(monkeyp
     assert L.PD_CPU_PREFILL_ENV not in os.environ
     pd = ["--model-path", "/m", "--disaggregation-transfer-backend", "mooncake_tcp"]
     pre, cfg = L.build_argv(pd + ["--disaggregation-mode", "prefill"])
-    assert not cfg.unified_memory and "--disable-overlap-schedule" in pre
+    assert cfg.unified_memory and "--disable-overlap-schedule" in pre
     assert os.environ[L.PD_CPU_PREFILL_ENV] == "1"
-    assert "SGLang's own KV and state pools" in capsys.readouterr().err
     monkeypatch.delenv(L.PD_CPU_PREFILL_ENV)
     dec, cfg = L.build_argv(pd + ["--disaggregation-mode=decode"])
-    assert not cfg.unified_memory and L.PD_CPU_PREFILL_ENV not in os.environ
+    assert cfg.unified_memory and L.PD_CPU_PREFILL_ENV not in os.environ
+    assert "--disable-overlap-schedule" not in dec
     off, cfg = L.build_argv(pd + ["--disaggregation-mode", "prefill", "--disable-radix-cache"])
     assert off.count("--disable-overlap-schedule") == 1  # the cache-off CPU default, once
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
     monkeypatch.delenv(L.PD_CPU_PREFILL_ENV, raising=False)
     gpu, cfg = L.build_argv(pd + ["--disaggregation-mode", "prefill"])
-    assert not cfg.unified_memory and "--disable-overlap-schedule" not in gpu
+    assert cfg.unified_memory and "--disable-overlap-schedule" not in gpu
     assert L.PD_CPU_PREFILL_ENV not in os.environ

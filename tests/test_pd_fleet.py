@@ -58,6 +58,8 @@ def test_the_router_runs_in_pd_mode_over_one_prefill_and_one_decode(pd_fleet):
         prefill.name: int(prefill.args[prefill.args.index("--disaggregation-bootstrap-port") + 1])
     }
     assert {w["url"] for w in f.router.workers()} == {prefill.url, decode.url}
+    # both sides keep unified memory: the transfer moves whole pages and slots of its one buffer
+    assert all(k3_state(s)["memory_budget_bytes"] > 0 for s in (prefill, decode))
 
 
 def test_a_conversation_through_the_pd_fleet_equals_one_cache_off_server(pd_fleet):

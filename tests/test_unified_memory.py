@@ -368,3 +368,90 @@ def test_a_hit_whose_checkpoint_holds_the_last_state_slot_is_retaken_not_a_crash
     assert out.device_prefix_len == 0 and req.kv.mamba_needs_clear  # its checkpoints went: a fresh state
     assert cache.mamba_protected_size() == 0  # no pin is left behind
     led.check()
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_the_pd_transfer_reads_every_layers_kv_and_the_whole_state_from_one_region(page):
+    """A PD server keeps unified memory: SGLang's transfer setup (``get_kv_transfer_buf_infos``,
+    ``build_kv_layer_ids``, ``setup_state_kv_args``: what a prefill and a decode server run to
+    describe their pools to Mooncake) sees one region, the whole buffer, registered once
+    (``MooncakeKVManager._registerable_regions``), and addresses KV page ``p`` at
+    ``ptr + p * item_len`` and state slot ``s`` at ``ptr + s * item_len`` (``_send_mamba_state``).
+    Those bytes are every MLA layer's rows of the page's tokens and every KDA layer's recurrent and
+    conv state of the slot, as the views hold them. SGLang's own per-layer description of the same
+    views gave overlapping regions (Mooncake refused them: every transfer failed)."""
+    import types
+
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.utils import build_kv_layer_ids, get_kv_transfer_buf_infos, setup_state_kv_args
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    from sglang_k3.integration.unified_memory import install
+    from sglang_k3.state.unified_buffer import StateLayout
+
+    rtp = hybrid_pool([0, 2, 3], heads=2, head_dim=16, conv_kernel=4, mamba_size=6, size=4)
+    kv = HybridLinearKVPool(
+        size=256,
+        dtype=torch.float32,
+        page_size=page,
+        head_num=1,
+        head_dim=48,
+        full_attention_layer_ids=[1, 4],
+        device="cpu",
+        mamba_pool=rtp.mamba_pool,
+        use_mla=True,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+    )
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    if page == 1:
+        alloc = TokenToKVPoolAllocator(size=256, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(
+            size=256, page_size=page, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
+        )
+    assert install(K3Config(), rtp, kv, alloc) is not None
+    views = kv.full_kv_pool.kv_buffer
+    cache = rtp.mamba_pool.mamba_cache
+    g = torch.Generator().manual_seed(page)
+    for v in views:
+        v.copy_(torch.randn(v.shape, generator=g))
+    cache.temporal.copy_(torch.randn(cache.temporal.shape, generator=g))
+    cache.conv[0].copy_(torch.randn(cache.conv[0].shape, generator=g))
+
+    args = types.SimpleNamespace(
+        aux_data_ptrs=[], aux_data_lens=[], state_types=[], state_data_ptrs=[], state_data_lens=[],
+        state_item_lens=[], state_dim_per_tensor=[], state_conv_shard_groups=[], state_slice_outer_counts=[],
+        state_layer_ids=[],
+    )  # fmt: skip
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = get_kv_transfer_buf_infos(kv)
+    args.kv_layer_ids = build_kv_layer_ids(
+        token_to_kv_pool=kv, draft_token_to_kv_pool=None, num_draft_entries=0, num_hidden_layers=5
+    )
+    setup_state_kv_args(args, kv, req_to_token_pool=rtp)
+    assert len(args.kv_data_ptrs) == len(args.kv_layer_ids) == 1
+    assert [len(p) for p in args.state_data_ptrs] == [1] and args.state_layer_ids == [[]]
+    regions = MooncakeKVManager._registerable_regions(types.SimpleNamespace(kv_args=args))
+    raw = rtp._k3_unified_memory.buffer.raw
+    assert regions == [(raw.data_ptr(), raw.numel())]
+
+    def at(ptr: int, item: int, index: int) -> torch.Tensor:
+        off = ptr + index * item - raw.data_ptr()
+        assert off >= 0 and off + item <= raw.numel()
+        return raw[off : off + item]
+
+    kv_item = args.kv_item_lens[0]
+    for p in (0, 3, (views[0].shape[0] // page) - 2):
+        got = at(args.kv_data_ptrs[0], kv_item, p).view(torch.float32).reshape(page, len(views), -1)
+        for layer, v in enumerate(views):
+            assert torch.equal(got[:, layer], v[p * page : (p + 1) * page, 0]), (p, layer)
+    st_item = args.state_item_lens[0][0]
+    layout = StateLayout.of_mamba_cache(cache)  # conv follows the recurrent state in the slot
+    for s in range(cache.temporal.shape[1]):
+        got = at(args.state_data_ptrs[0][0], st_item, s)
+        t, c = cache.temporal[:, s], cache.conv[0][:, s]
+        assert torch.equal(got[: t.numel() * t.element_size()].view(t.dtype), t.reshape(-1)), s
+        conv = got[layout.conv_offset : layout.conv_offset + c.numel() * c.element_size()]
+        assert torch.equal(conv.view(c.dtype), c.reshape(-1)), s

@@ -391,6 +391,7 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         new_alloc = UnifiedKVAllocator(ledger, allocator.dtype, allocator.device, allocator.get_kvcache())
     else:
         new_alloc = UnifiedPagedKVAllocator(ledger, page, allocator.dtype, allocator.device, allocator.get_kvcache())
+    describe_for_transfer(token_to_kv_pool, kv_pool, mamba_pool, buf)
     setattr(req_to_token_pool, _ATTR, UnifiedMemory(ledger, buf, ckpt))
     logger.info(
         "sglang-k3 unified memory: %d bytes (SGLang's KV pool %d B + state pool %d B) in %d blocks of %d B "
@@ -409,6 +410,46 @@ def install(cfg: K3Config, req_to_token_pool, token_to_kv_pool, allocator):
         ledger.active_reserve,
     )
     return new_alloc
+
+
+def describe_for_transfer(token_to_kv_pool, kv_pool, mamba_pool, buf: UnifiedBuffer) -> None:
+    """Tell SGLang's PD transfer (``--disaggregation-mode``) where the unified buffer keeps KV and
+    states, the way its own unified pool does (``UnifiedMambaPool`` /
+    ``UnifiedMLATokenToKVPool.get_contiguous_buf_infos`` in 0.5.23): one registered region, the
+    whole buffer, and one transfer entry per kind, addressed ``base + index * item_len``.
+
+    * **KV**: KV is token-major (every MLA layer's row of token ``t`` at ``t * kv_token_bytes``),
+      so page ``p`` is ``page_size * kv_token_bytes`` contiguous bytes: one entry with that item
+      length moves all layers of a page at once.
+    * **State**: slot ``s`` is ``active_span`` blocks from ``s * span * block_bytes``: one entry
+      with the slot stride as its item moves every KDA layer's recurrent and conv state at once.
+
+    SGLang's per-layer description (a pointer and a contiguous length per layer view) gave
+    overlapping regions over this buffer, which Mooncake refused, so every transfer failed. Both
+    peers must run the k3 cache with unified memory and the same model and ``--page-size``:
+    Mooncake's own checks then compare the item lengths (a state of another size is refused
+    there; SGLang compares KV page sizes at bootstrap)."""
+    g = buf.geom
+    base, total = buf.raw.data_ptr(), buf.raw.numel()
+    kv_item = int(getattr(kv_pool, "page_size", 1)) * g.kv_token_bytes
+    state_item = g.active_span * g.block_bytes
+    first_layer = list(getattr(token_to_kv_pool, "full_attention_layer_id_mapping", None) or [0])[:1]
+
+    kv_pool.get_contiguous_buf_infos = lambda: ([base], [total], [kv_item])
+    if token_to_kv_pool is not kv_pool:
+        token_to_kv_pool.get_contiguous_buf_infos = lambda: ([base], [total], [kv_item])
+        # one entry, so one layer id: the peers pair entries by id
+        token_to_kv_pool.get_kv_layer_ids = lambda: list(first_layer)
+    mamba_pool.get_contiguous_buf_infos = lambda: ([base], [total], [state_item])
+    # A whole-slot envelope has no per-tensor dims, layer ids or shard groups: it cannot be
+    # TP-resliced (as SGLang's own unified pool), so both sides run the same attention TP.
+    for name in (
+        "get_state_dim_per_tensor",
+        "get_state_layer_ids",
+        "get_state_slice_outer_counts",
+        "get_state_conv_shard_groups",
+    ):
+        setattr(mamba_pool, name, lambda: [])
 
 
 def drop_cached_views(pool) -> list[str]:
