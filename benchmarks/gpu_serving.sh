@@ -28,6 +28,9 @@
 #                 --enable-deterministic-inference: does it run with these backends, does the floor shrink?
 #   probe         benchmarks.gpu_probe: which of several server configurations serve a small batched
 #                 multi-turn workload, each alone, with CUDA_LAUNCH_BLOCKING=1 (PROBE_CONFIGS).
+#   spec          benchmarks.spec_ab (NGRAM speculative decoding, issue 34): k3 with and without it,
+#                 upstream with it (extra_buffer), cache off with it; greedy mismatches against k3
+#                 are informational in bf16 (the noise floor: two cache-off servers disagree too).
 #   tiermoves     benchmarks/gpu_tier_moves.py (no server): the tier's saves and loads against a plain
 #                 pinned copy, the writer thread's section included (the host-link fraction of issue
 #                 32). It needs the installed project (setup.py maps sglang_k3.kernels in), which is
@@ -37,7 +40,7 @@
 # Each phase keeps its own harness timeouts under the device's 600 s per call (ND_TIMEOUT for the
 # differentials), so that the archive is always written.
 set -u
-PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe|tiermoves}
+PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe|spec|tiermoves}
 OUT=${OUT:?OUT must name the output folder (the device sets it)}
 # results gather here and come back as one archive, $OUT/PHASE.tar.gz (the device returns 8 files)
 RES=/tmp/res/$PHASE
@@ -162,12 +165,22 @@ probe)
   echo "gpu_probe exit $?"
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
+spec)
+  # SPEC_ARGS: the speculative servers' flags (default spec_ab's: NGRAM, 4 drafts, one chain)
+  COMMON="--model-path $MODEL $KERNELS --mem-fraction-static 0.1 --max-running-requests 16"
+  timeout ${SPEC_TIMEOUT:-480} python3 -m benchmarks.spec_ab --server-args "$COMMON" \
+    ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --conversations 4 --turns 3 --system-len 1024 --first-len 512 --user-len 128 \
+    --repeat-prompts 4 --repeat-len 1024 \
+    --out "$RES/spec_ab" --log-dir "$RES/logs" --quiet
+  echo "spec_ab exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  ;;
 tiermoves)
   timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm"
   echo "gpu_tier_moves exit $?"
   ;;
 *)
-  echo "unknown phase $PHASE (all, differential, ab, det, probe, tiermoves)"
+  echo "unknown phase $PHASE (all, differential, ab, det, probe, spec, tiermoves)"
   exit 2
   ;;
 esac

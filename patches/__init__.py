@@ -41,6 +41,15 @@ PATCH_MODULES: list[str] = [
     "mamba_no_buffer_overlap",
     "schedule_policy_waiting_refresh",
     "prefill_adder_not_admitted",
+    "spec_reconstruct_tree",
+    "ngram_chain_drafts",
+    "spec_assign_req_to_token_pool",
+    "spec_fill_front_out_cache_loc",
+    "spec_fill_accept_out_cache_loc",
+    "spec_verify_tree_greedy",
+    "spec_scatter_mamba_states",
+    "torch_native_target_verify",
+    "spec_finish_rewind",
 ]
 
 _registered = False

@@ -3,7 +3,8 @@
 Placement "every N decode tokens" needs a point where a request's state has just advanced by one
 decode token; SGLang calls the tree cache during decode only to evict. This AFTER hook on the
 decode result processor asks the cache (``checkpoint_decode``, k3 only) to fork the state of
-requests whose committed length reached a multiple of the interval.
+requests whose committed length reached or (a speculative verify's several tokens) crossed a
+multiple of the interval.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def checkpoint_after_decode(result, self, batch, *args, **kwargs):
 
     verbs = verbs_of(getattr(self, "tree_cache", None))
     if verbs is not None:
-        verbs.after_decode(batch.reqs)
+        result = args[0] if args else kwargs.get("result")
+        accept = getattr(result, "accept_lens", None)  # a speculative verify's committed tokens per request
+        verbs.after_decode(batch.reqs, None if accept is None else accept.tolist())
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sglang_k3.kernels.kda.conv1d_torch import PAD_SLOT_ID, causal_conv1d_update_torch
 
 TARGET = "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update"
-REASON = "causal_conv1d_update is Triton-only off is_cpu() (env-gated); KDA decode calls it"
+REASON = "causal_conv1d_update is Triton-only off is_cpu() (env-gated); KDA decode and verify call it"
 UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = True
 
@@ -28,20 +28,16 @@ def causal_conv1d_update_cpu(
     metadata=None,
     validate_data=False,
 ):
-    """Upstream's signature; plain decode only (no circular buffer, no speculative windows)."""
+    """Upstream's signature: decode, and the speculative verify of a draft chain (the window after
+    every draft token into ``intermediate_conv_window``); no circular buffer, no draft trees."""
     if cache_seqlens is not None:
         raise NotImplementedError("causal_conv1d_update(cache_seqlens=...) on CPU")
     if any(
-        t is not None
-        for t in (
-            num_accept_tokens,
-            intermediate_conv_window,
-            retrieve_next_token,
-            retrieve_next_sibling,
-            retrieve_parent_token,
-        )
+        t is not None for t in (num_accept_tokens, retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
     ):
-        raise NotImplementedError("speculative causal_conv1d_update on CPU")
+        raise NotImplementedError(
+            "causal_conv1d_update over a draft tree on CPU; use --speculative-ngram-max-bfs-breadth 1"
+        )
     if isinstance(activation, bool):
         activation = "silu" if activation else None
     return causal_conv1d_update_torch(
@@ -52,6 +48,8 @@ def causal_conv1d_update_cpu(
         activation=activation,
         conv_state_indices=conv_state_indices,
         pad_slot_id=pad_slot_id,
+        intermediate_conv_window=intermediate_conv_window,
+        intermediate_state_indices=intermediate_state_indices,
     )
 
 

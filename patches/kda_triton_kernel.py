@@ -1,4 +1,5 @@
-"""CPU implementations of ``TritonKDAKernel``'s methods (KDA extend / decode / packed decode).
+"""CPU implementations of ``TritonKDAKernel``'s methods (KDA extend / decode / packed decode, and the
+speculative verify of a draft chain).
 
 ``KDAKernelDispatcher`` always builds a ``TritonKDAKernel`` and offers no registry for a custom
 KDA kernel backend, so the methods are replaced in place (``supports_*`` flags stay upstream's:
@@ -12,6 +13,7 @@ from sglang_k3.kernels.kda.pool_ops import (
     kda_chunk_extend_pool,
     kda_packed_decode_pool,
     kda_recurrent_decode_pool,
+    kda_target_verify_pool,
 )
 
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
@@ -20,6 +22,7 @@ UPSTREAM_VERSION = "0.5.23"
 CPU_ONLY = True
 
 _REPLAYSSM_KEYS = ("replayssm_d", "replayssm_k", "replayssm_g", "replayssm_write_pos")
+_VERIFY_UNSUPPORTED = ("replayssm_rawv", "fused_accept_state_indices", "fused_accept_num_accepted")
 
 
 def extend_cpu(
@@ -124,9 +127,50 @@ def packed_decode_cpu(
     )
 
 
-def target_verify_cpu(self, *args, **kwargs):
-    raise NotImplementedError(
-        "KDA speculative target_verify is not available on the CPU path (serve without speculative decoding)"
+def target_verify_cpu(
+    self,
+    A_log,
+    dt_bias,
+    q,
+    k,
+    v,
+    a,
+    b,
+    *,
+    ssm_states,
+    cache_indices,
+    query_start_loc,
+    intermediate_states_buffer,
+    intermediate_state_indices,
+    cache_steps,
+    retrieve_parent_token=None,
+    lower_bound=None,
+    **kwargs,
+):
+    """Speculative verify of a draft chain (NGRAM with one branch: ``retrieve_parent_token``
+    None), writing the state after every draft token to the scratch the commit reads."""
+    if retrieve_parent_token is not None:
+        raise NotImplementedError(
+            "KDA tree verify (draft trees with more than one branch) is not available on the CPU path; "
+            "use --speculative-ngram-max-bfs-breadth 1"
+        )
+    if intermediate_states_buffer is None or any(kwargs.get(key) is not None for key in _VERIFY_UNSUPPORTED):
+        raise NotImplementedError("KDA verify without per-step states (ReplaySSM, fused accept) on the CPU path")
+    return kda_target_verify_pool(
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        ssm_states=ssm_states,
+        cache_indices=cache_indices,
+        query_start_loc=query_start_loc,
+        intermediate_states_buffer=intermediate_states_buffer,
+        intermediate_state_indices=intermediate_state_indices,
+        cache_steps=cache_steps,
+        lower_bound=lower_bound,
     )
 
 

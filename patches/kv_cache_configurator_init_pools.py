@@ -23,7 +23,6 @@ def wanted(server_args, cfg) -> bool:
         cfg.unified_memory
         and getattr(server_args, "radix_cache_backend", None) == "k3"
         and not getattr(server_args, "disable_radix_cache", False)
-        and not getattr(server_args, "speculative_algorithm", None)
     )
 
 

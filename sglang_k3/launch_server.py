@@ -127,17 +127,27 @@ def _check_page_size(argv: list[str]) -> None:
         raise SystemExit(f"--page-size {value}: {e}") from None
 
 
-def _check_speculative(argv: list[str]) -> None:
-    """Speculative decoding with the k3 cache stops here, before SGLang starts
-    (:func:`~sglang_k3.integration.k3_args.check_speculative` says why)."""
-    if not _k3_serves(argv):
-        return
-    from sglang_k3.integration.k3_args import check_speculative
+def _speculative_defaults(argv: list[str], cpu: bool) -> list[str]:
+    """Speculative decoding with the k3 cache: NGRAM serves, the rest stops here, before SGLang
+    starts (:func:`~sglang_k3.integration.k3_args.check_speculative` says why). On the CPU
+    platform NGRAM verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10)."""
+    algorithm = _value(argv, "--speculative-algorithm")
+    if not algorithm or not _k3_serves(argv):
+        return argv
+    from sglang_k3.integration.k3_args import NGRAM_CPU_BREADTH_FLAG, check_speculative
 
+    if cpu and str(algorithm).upper() == "NGRAM" and _value(argv, NGRAM_CPU_BREADTH_FLAG) is None:
+        print(
+            f"sglang-k3: --speculative-algorithm NGRAM on CPU: {NGRAM_CPU_BREADTH_FLAG} 1 (the CPU path "
+            "verifies draft chains)",
+            file=sys.stderr,
+        )
+        argv = argv + [NGRAM_CPU_BREADTH_FLAG, "1"]
     try:
-        check_speculative(_value(argv, "--speculative-algorithm"))
+        check_speculative(algorithm, cpu=cpu, ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG))
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    return argv
 
 
 def _check_mooncake_client() -> None:
@@ -199,7 +209,6 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
     rest = _with_defaults(rest, CACHE_DEFAULTS)
     _check_backend_strategy(rest)
     _check_page_size(rest)
-    _check_speculative(rest)
     if cfg.mooncake:
         _check_mooncake_client()
     if _k3_serves(rest):
@@ -212,6 +221,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         # prefills then leave no chunk-boundary checkpoints (never a wrong one).
         os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1")
     cpu = cfg.cpu_defaults and cpu_platform_wanted()
+    rest = _speculative_defaults(rest, cpu)
     rest, cfg = _pd_defaults(rest, cfg, cpu)
     if cpu:
         rest = _with_defaults(rest, _cpu_defaults_for(rest))

@@ -30,6 +30,16 @@ SERVER_CONFIGS: dict[str, list[str]] = {
     # launch_server's default backend is k3, with the overlap scheduler on; fp32 checkpoints are
     # the bit-exact differential oracle.
     "k3": ["--k3-checkpoint-dtype", "fp32"],
+    # The same with NGRAM speculative decoding (four drafts a verify; on CPU launch_server makes
+    # them one chain, and SGLang turns the overlap scheduler off for it).
+    "k3_spec": [
+        "--k3-checkpoint-dtype",
+        "fp32",
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "4",
+    ],
     # The same with the overlap scheduler off (checkpoints copied from the live state at once).
     "k3_no_overlap": ["--k3-checkpoint-dtype", "fp32", "--disable-overlap-schedule"],
     # Small prefill chunks, small pools, a decode checkpoint every 8 tokens: chunk and decode

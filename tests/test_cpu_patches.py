@@ -62,21 +62,23 @@ def patched():
         "norm": mods["sglang.kernels.ops.attention.fla.fused_norm_gate"].rms_norm_gated,
         **{m: kt.__dict__[m] for m in ("extend", "decode", "packed_decode", "target_verify")},
     }
-    # Only the CPU kernel replacements are under test here (the other patch modules hook the
-    # scheduler and tokenizer and are exercised through real servers).
-    cpu_modules = [importlib.import_module(f"sglang_k3.patches.{m}") for m in P.PATCH_MODULES]
-    cpu_modules = [m for m in cpu_modules if getattr(m, "CPU_ONLY", False)]
-    for m in cpu_modules:
-        m.register()
-    targets = [m.TARGET for m in cpu_modules]
-    HookRegistry.apply_hooks()
-    assert set(targets) == {
+    # Only the CPU replacements of the KDA kernels are under test here (the other patch modules
+    # hook the scheduler, the tokenizer and the speculative path, and are exercised through real
+    # servers; the speculative ops also in test_spec_kernels.py).
+    kda_kernels = {
         "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn",
         "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update",
         "sglang.kernels.ops.attention.fla.fused_norm_gate.rms_norm_gated",
         "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel",
         "sglang.kernels.ops.mamba.mamba_state_scatter_triton._launch_track_mamba_states",
     }
+    cpu_modules = [importlib.import_module(f"sglang_k3.patches.{m}") for m in P.PATCH_MODULES]
+    cpu_modules = [m for m in cpu_modules if getattr(m, "CPU_ONLY", False) and m.TARGET in kda_kernels]
+    for m in cpu_modules:
+        m.register()
+    targets = [m.TARGET for m in cpu_modules]
+    HookRegistry.apply_hooks()
+    assert set(targets) == kda_kernels
     yield mods
     pairs = [
         (mods["sglang.kernels.ops.mamba.causal_conv1d_triton"].causal_conv1d_fn, originals["fn"]),
@@ -114,8 +116,13 @@ def test_hooks_reach_every_call_site(patched):
     for name, impl in kda_triton_kernel.METHODS.items():
         meth = getattr(kt, name)
         assert any(c.cell_contents is impl for c in meth.__closure__), name
-    with pytest.raises(NotImplementedError):
-        kt().target_verify()
+    # the CPU verify takes draft chains; a tree (parent indices) is refused with the flag to use
+    tree = dict(
+        ssm_states=None, cache_indices=None, query_start_loc=None, intermediate_states_buffer=None,
+        intermediate_state_indices=None, cache_steps=4, retrieve_parent_token=torch.zeros(1, 4),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="--speculative-ngram-max-bfs-breadth 1"):
+        kt().target_verify(*[None] * 7, **tree)
 
 
 def test_extra_buffer_track_copy_runs_through_upstreams_entry_point(patched):

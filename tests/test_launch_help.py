@@ -125,20 +125,28 @@ def test_the_k3_factory_refuses_extra_buffer():
         k3_factory(ctx)
 
 
-def test_the_k3_factory_refuses_speculative_decoding():
+def test_the_k3_factory_refuses_speculative_decoding_it_cannot_serve(monkeypatch):
     """Started another way (sglang.launch_server --radix-cache-backend k3 --speculative-algorithm
-    ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts."""
+    ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts: EAGLE
+    (no draft path for the KDA model), and on CPU an NGRAM draft tree (SGLang's breadth default
+    of 10; the CPU path verifies chains)."""
     from types import SimpleNamespace
 
     from sglang_k3.integration.radix_backends import k3_factory
 
-    ctx = SimpleNamespace(
-        disable_radix_cache=False,
-        is_hybrid_ssm=True,
-        server_args=SimpleNamespace(mamba_radix_cache_strategy="no_buffer", speculative_algorithm="NGRAM"),
-    )
-    with pytest.raises(ValueError, match="--speculative-algorithm NGRAM: the k3 cache does not serve"):
-        k3_factory(ctx)
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
+
+    def ctx(**spec):
+        return SimpleNamespace(
+            disable_radix_cache=False,
+            is_hybrid_ssm=True,
+            server_args=SimpleNamespace(mamba_radix_cache_strategy="no_buffer", **spec),
+        )
+
+    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE: the k3 cache does not serve with it"):
+        k3_factory(ctx(speculative_algorithm="EAGLE"))
+    with pytest.raises(ValueError, match="--speculative-ngram-max-bfs-breadth 10: on CPU the k3 cache verifies"):
+        k3_factory(ctx(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=10))
 
 
 def test_the_no_buffer_overlap_check_is_lifted_for_k3_only():
@@ -198,20 +206,37 @@ def test_k3_with_another_state_strategy_is_refused_with_the_reason():
         L.build_argv(["--model-path", "/m", "--mamba-radix-cache-strategy=extra_buffer"])
 
 
-def test_k3_with_speculative_decoding_is_refused_with_the_reason():
+def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkeypatch, capsys):
+    """NGRAM serves with the k3 cache; on CPU its breadth defaults to 1 (draft chains: the CPU
+    verify path), and a wider one is refused before SGLang starts. EAGLE-family algorithms are
+    refused with the reason. SGLang's own cache and a cache-off server are SGLang's to check."""
     import pytest
 
     from sglang_k3 import launch_server as L
 
-    for algo in ("NGRAM", "EAGLE3"):
-        with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve"):
-            L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
-    # SGLang's own cache and a cache-off server are SGLang's to check
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
+    argv, _ = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
+    assert argv[argv.index("--speculative-ngram-max-bfs-breadth") + 1] == "1"
+    assert "the CPU path verifies draft chains" in capsys.readouterr().err
     argv, _ = L.build_argv(
-        ["--model-path", "/m", "--speculative-algorithm", "NGRAM", "--radix-cache-backend", "upstream"]
+        ["--model-path", "/m", "--speculative-algorithm=NGRAM", "--speculative-ngram-max-bfs-breadth", "1"]
     )
-    assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
-    L.build_argv(["--model-path", "/m", "--speculative-algorithm=NGRAM", "--disable-radix-cache"])
+    assert argv.count("--speculative-ngram-max-bfs-breadth") == 1
+    with pytest.raises(SystemExit, match="--speculative-ngram-max-bfs-breadth 4: on CPU the k3 cache verifies"):
+        L.build_argv(
+            ["--model-path", "/m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "4"]
+        )
+    for algo in ("EAGLE3", "STANDALONE"):
+        with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve with it"):
+            L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
+    monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
+    gpu, _ = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
+    assert "--speculative-ngram-max-bfs-breadth" not in gpu  # SGLang's trees on a GPU
+    argv, _ = L.build_argv(
+        ["--model-path", "/m", "--speculative-algorithm", "EAGLE", "--radix-cache-backend", "upstream"]
+    )
+    assert argv[argv.index("--speculative-algorithm") + 1] == "EAGLE"
+    L.build_argv(["--model-path", "/m", "--speculative-algorithm=EAGLE", "--disable-radix-cache"])
 
 
 def test_host_tier_flags_are_checked_before_the_server_starts():

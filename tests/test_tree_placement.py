@@ -20,6 +20,12 @@ def test_decode_interval_and_generation_end():
     pol = PlacementPolicy(decode_interval=1024)
     assert pol.decode_checkpoint(2048) and not pol.decode_checkpoint(2049)
     assert not PlacementPolicy().decode_checkpoint(2048)
+    # a speculative verify commits several tokens: due when the step crossed a multiple, at the
+    # length after it if a hit can land there (hit_unit), never twice for one multiple
+    one = PlacementPolicy(decode_interval=1024, hit_unit=1)
+    assert one.decode_checkpoint(2050, advanced=4) and one.decode_checkpoint(2048, advanced=4)
+    assert not one.decode_checkpoint(2047, advanced=4) and not one.decode_checkpoint(2052, advanced=4)
+    assert not pol.decode_checkpoint(2050, advanced=4)  # 2050 is no multiple of its 64-token hit unit
     assert pol.generation_end(1000) == 960 and pol.generation_end(10) is None
     assert PlacementPolicy(at_generation_end=False).generation_end(1000) is None
 

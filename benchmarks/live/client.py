@@ -18,6 +18,8 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_ids: list = field(default_factory=list)
+    spec_correct_drafts: int = 0  # speculative decoding: drafts accepted, and verify steps run
+    spec_verifies: int = 0
     ttft_s: Optional[float] = None
     latency_s: Optional[float] = None
     error: Optional[str] = None
@@ -78,6 +80,8 @@ def generate_stream(
                 return res
             res.prompt_tokens = int(meta.get("prompt_tokens", len(input_ids)))
             res.cached_tokens = int(meta.get("cached_tokens") or 0)
+            res.spec_correct_drafts = int(meta.get("spec_num_correct_drafts") or 0)
+            res.spec_verifies = int(meta.get("spec_verify_ct") or 0)
     except (requests.RequestException, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"[:300]
     return res
@@ -119,8 +123,11 @@ def summarize(
 
 
 def summarize_results(results: list[Result], duration_s: float) -> dict:
+    """:func:`summarize`, plus under speculative decoding the verify steps run and the mean
+    accept length (tokens committed per verify: the accepted drafts and the target's own token;
+    SGLang's ``spec_accept_length``), None without speculation."""
     ok = [r for r in results if r.error is None]
-    return summarize(
+    out = summarize(
         [r.ttft_s for r in ok],
         sum(r.prompt_tokens for r in ok),
         sum(r.cached_tokens for r in ok),
@@ -129,6 +136,10 @@ def summarize_results(results: list[Result], duration_s: float) -> dict:
         len(results),
         len(results) - len(ok),
     )
+    verifies = sum(r.spec_verifies for r in ok)
+    out["spec_verifies"] = verifies
+    out["accept_length"] = (verifies + sum(r.spec_correct_drafts for r in ok)) / verifies if verifies else None
+    return out
 
 
 class Progress:

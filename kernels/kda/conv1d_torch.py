@@ -95,9 +95,17 @@ def causal_conv1d_update_torch(
     activation=None,
     conv_state_indices: Optional[torch.Tensor] = None,
     pad_slot_id: int = PAD_SLOT_ID,
+    intermediate_conv_window: Optional[torch.Tensor] = None,
+    intermediate_state_indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode-time conv1d: ``x`` ``[B, dim]`` or ``[B, dim, L]``; ``conv_state``
-    ``[slots, dim, >= width - 1]`` updated in place (sliding window). Returns ``x``'s shape."""
+    ``[slots, dim, >= width - 1]`` updated in place (sliding window). Returns ``x``'s shape.
+
+    Speculative verify (a chain of ``L`` draft tokens per row): with ``intermediate_conv_window``
+    ``[rows, >= L, dim, state_len]`` the window after each token ``t`` (what ``conv_state`` would
+    hold had the row stopped there) is also written to
+    ``intermediate_conv_window[intermediate_state_indices[b], t]``, from which SGLang restores the
+    accepted length's window after the verify."""
     squeeze = x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)
@@ -124,4 +132,10 @@ def causal_conv1d_update_torch(
     y = _act(y, activation).to(x.dtype)
     if vi.numel() > 0:
         conv_state[slots[vi]] = window[vi, :, L:].to(conv_state.dtype)
+        if intermediate_conv_window is not None:
+            rows = intermediate_state_indices[:B].to(torch.long).cpu()[vi]
+            for t in range(L):
+                intermediate_conv_window[rows, t] = window[vi, :, t + 1 : t + 1 + state_len].to(
+                    intermediate_conv_window.dtype
+                )
     return y.squeeze(-1) if squeeze else y

@@ -193,3 +193,68 @@ def kda_packed_decode_pool(
         lower_bound=lower_bound,
         scale=scale,
     ).to(mixed_qkv.dtype)
+
+
+def kda_target_verify_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    cache_indices: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    intermediate_states_buffer: torch.Tensor,
+    intermediate_state_indices: torch.Tensor,
+    cache_steps: int,
+    lower_bound: Optional[float] = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Speculative verify of a chain of draft tokens (``TritonKDAKernel.target_verify`` contract,
+    ``retrieve_parent_token`` None: each token follows the one before it).
+
+    Sequence ``n`` (tokens ``query_start_loc[n]`` to ``query_start_loc[n+1]``, at most
+    ``cache_steps``) starts from ``ssm_states[cache_indices[n]]``; the state after its ``t``-th
+    token is written to ``intermediate_states_buffer[intermediate_state_indices[n], t]`` (same
+    V-first layout as the pool). ``ssm_states`` is NOT written: after the verify SGLang copies the
+    state after the last accepted token from the scratch into the slot. A slot of ``-1`` starts
+    from zeros and writes nothing. Returns ``o`` ``[1, T, HV, V]`` (``q.dtype``)."""
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    cu = query_start_loc.to(torch.long).cpu()
+    N = cu.numel() - 1
+    g = kda_gate(a.reshape(1, T, HV, K), A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.reshape(1, T, HV).float())
+    idx = cache_indices[:N].to(torch.long).cpu()
+    S, _ = _load_states(ssm_states, idx, HV, K, V)  # [N, HV, V, K]
+    rows_out = intermediate_state_indices[:N].to(torch.long).cpu()
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    if N and int(lens.max()) > cache_steps:
+        raise ValueError(f"a verify sequence of {int(lens.max())} tokens exceeds cache_steps={cache_steps}")
+    o = torch.zeros(1, T, HV, V, dtype=q.dtype)
+    for t in range(int(lens.max()) if N else 0):
+        act = (lens > t).nonzero(as_tuple=True)[0]
+        rows = starts[act] + t
+        one = torch.arange(act.numel() + 1, dtype=torch.long)
+        o_t, S_t = fused_recurrent_kda_torch(
+            q[:, rows],
+            k[:, rows],
+            v[:, rows],
+            g[:, rows],
+            beta[:, rows],
+            scale=scale,
+            initial_state=S[act],
+            output_final_state=True,
+            cu_seqlens=one,
+            use_qk_l2norm_in_kernel=True,
+            state_v_first=True,
+        )
+        o[:, rows] = o_t.to(q.dtype)
+        S[act] = S_t
+        keep = act[(idx[act] >= 0)]
+        if keep.numel():
+            intermediate_states_buffer[rows_out[keep], t] = S[keep].to(intermediate_states_buffer.dtype)
+    return o

@@ -290,8 +290,8 @@ class CacheLifecycle(EvictionVerbs):
             return  # no memory for a checkpoint now: the request goes on, the boundary is not cached
         self._register(node, up_to, handle, kind, rid)
 
-    def decode_due(self, seq_len: int) -> bool:
-        return self.placement.decode_checkpoint(seq_len)
+    def decode_due(self, seq_len: int, advanced: int = 1) -> bool:
+        return self.placement.decode_checkpoint(seq_len, advanced)
 
     # ------------------------------------------------------------------ finish
     def finish(self, node: Node, up_to: int, state_len: int, active_slot: int, rid: Optional[str] = None) -> None:

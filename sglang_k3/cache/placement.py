@@ -83,9 +83,15 @@ class PlacementPolicy:
                 wanted[below[-1]] = wanted.get(below[-1], CheckpointKind(0)) | CheckpointKind.BRANCH
         return wanted
 
-    def decode_checkpoint(self, seq_len: int) -> bool:
-        """After a decode step the sequence has ``seq_len`` processed tokens: snapshot now?"""
-        return bool(self.decode_interval) and seq_len % self.decode_interval == 0 and seq_len % self.hit_unit == 0  # type: ignore[operator]
+    def decode_checkpoint(self, seq_len: int, advanced: int = 1) -> bool:
+        """After a decode step that committed ``advanced`` tokens the sequence has ``seq_len``
+        processed tokens: snapshot now? When the step crossed a multiple of the interval. One
+        token a step lands on the multiple itself; a speculative verify that accepts several
+        tokens jumps over it, and the state then is the one after the step (the slot holds no
+        other), kept where a hit can land (a multiple of ``hit_unit``)."""
+        if not self.decode_interval or seq_len % self.hit_unit:
+            return False
+        return seq_len // self.decode_interval > (seq_len - max(1, advanced)) // self.decode_interval
 
     def generation_end(self, seq_len: int) -> Optional[int]:
         """The turn boundary to keep when a request finishes with ``seq_len`` processed tokens."""

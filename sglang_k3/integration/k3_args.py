@@ -329,25 +329,44 @@ def current() -> K3Config:
     return from_env()
 
 
-def check_speculative(algorithm) -> None:
-    """Speculative decoding with the k3 cache is refused, with the reasons (read in SGLang 0.5.23;
-    issue #34 tracks the work), before it can fail inside a scheduler. Called by
-    ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point):
+NGRAM_CPU_BREADTH_FLAG = "--speculative-ngram-max-bfs-breadth"
 
-    * no draft for the KDA models: ``KimiLinearForCausalLM`` has no MTP/NextN head, and EAGLE /
-      EAGLE3 / NEXTN need ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``, which it lacks;
-      on the CPU platform SGLang's out-of-tree check refuses them anyway;
-    * NGRAM's verify (tree reconstruction, greedy verify, the KDA verify kernel that writes a state
-      per draft token, the state commit scatter) has no CPU implementation;
-    * the k3 cache places decode-interval states at exact multiples of the interval, which a
-      verify step that accepts several tokens jumps over; whether its turn-end and chunk-end
-      states hold the state after the accepted tokens only has not been tested."""
+
+def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None) -> None:
+    """Which speculative decoding the k3 cache serves with, refused with the reasons otherwise
+    (read in SGLang 0.5.23; issue #34), before it can fail inside a scheduler. Called by
+    ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point).
+
+    * **NGRAM** serves (no draft model: drafts come from n-grams of the request and earlier ones).
+      The k3 cache keeps its hits: a verify commits the state after the accepted tokens only,
+      and the decode-interval states are placed when a verify crosses a multiple of the interval.
+      On the CPU platform the verify runs on torch ops (``kernels/spec``, ``patches/spec_*``,
+      ``patches/torch_native_target_verify``) for draft chains only: ``ngram_breadth`` must be 1
+      (``launch_server`` sets it), and ``patches/ngram_chain_drafts`` makes each draft a chain.
+    * **EAGLE / EAGLE3 / NEXTN** need a draft head on the target: ``KimiLinearForCausalLM`` has no
+      MTP/NextN layer and lacks ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``; on the
+      CPU platform SGLang's out-of-tree check refuses them anyway.
+    * **STANDALONE** (a small draft model of the same vocabulary) and the rest (DFLASH, UNO,
+      DSPARK, FROZEN_KV_MTP) are not tested with the k3 cache; on the CPU platform SGLang refuses
+      them (its out-of-tree check, or CUDA-only workers)."""
     if not algorithm:
         return
+    name = str(algorithm).upper()
+    if name == "NGRAM":
+        if cpu and ngram_breadth is not None and int(ngram_breadth) != 1:
+            raise ValueError(
+                f"--speculative-algorithm NGRAM {NGRAM_CPU_BREADTH_FLAG} {ngram_breadth}: on CPU the k3 cache "
+                "verifies draft chains only (torch ops; a draft tree's attention mask and per-branch KDA states "
+                f"have no CPU path). Use {NGRAM_CPU_BREADTH_FLAG} 1 (sglang_k3.launch_server's default on CPU)"
+            )
+        return
+    why = (
+        "SGLang 0.5.23 has no draft path for KimiLinearForCausalLM (no MTP/NextN head; EAGLE needs "
+        "get_embed_and_head and set_eagle3_layers_to_capture, which it lacks)"
+        if name in ("EAGLE", "EAGLE3", "NEXTN")
+        else "it is not tested with the k3 cache (and on CPU SGLang refuses it)"
+    )
     raise ValueError(
-        f"--speculative-algorithm {algorithm}: the k3 cache does not serve with speculative decoding yet "
-        "(SGLang 0.5.23 has no draft path for KimiLinearForCausalLM: no MTP/NextN head, no EAGLE hooks; "
-        "NGRAM's verify has no CPU kernels; k3's decode-interval states are not placed at a verify "
-        "step's accepted length). Serve without it, or with --radix-cache-backend upstream (SGLang's own "
-        "cache); issue #34 tracks speculative decoding with k3"
+        f"--speculative-algorithm {algorithm}: the k3 cache does not serve with it: {why}. NGRAM serves "
+        "(--speculative-algorithm NGRAM: drafts from n-grams, no draft model); issue #34 tracks the rest"
     )

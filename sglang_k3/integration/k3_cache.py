@@ -82,6 +82,8 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
         self.matches_not_admitted = 0  # matched in a prefill loop, then not admitted (match_not_admitted)
+        self.speculative_stops_rewound = 0  # stopped inside a verify's tokens, cached anyway (rewind_to_stop)
+        self.speculative_stops_lost = 0  # the same, not cacheable (rewind_to_stop)
         self.hits_retaken_for_slot = 0  # hits let go so the request could take a state slot
         self._evicted_at_refresh = 0  # the tree's evictions when the waiting queue was last refreshed
         self.eviction_refresh = False  # True during a refresh k3 asked for (refresh_waiting_now)
@@ -366,19 +368,57 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         if req.kv.mamba_pool_idx is not None:
             self.fwd.stash.consume(int(req.kv.mamba_pool_idx))
 
-    def checkpoint_decode(self, req) -> None:
-        """After a decode step: every ``--k3-decode-checkpoint-interval`` tokens, insert the
+    def checkpoint_decode(self, req, advanced: int = 1) -> None:
+        """After a decode step that committed ``advanced`` tokens (several under a speculative
+        verify): when it crossed a multiple of ``--k3-decode-checkpoint-interval``, insert the
         request's path so far and fork its state there (a recyclable DECODE checkpoint)."""
         length = req.kv.kv_committed_len  # tokens whose KV is written and whose state is in the slot
         if (
             req.finished()
             or not req.kv.holds_mamba
             or req.kv.req_pool_idx is None
-            or not self.lifecycle.decode_due(length)
+            or not self.lifecycle.decode_due(length, advanced)
         ):
             return
         req.refresh_fill_ids()
         self.checkpoint(req, up_to=length, kind=CheckpointKind.DECODE)
+
+    def rewind_to_stop(self, req, row: int, accepted: int) -> bool:
+        """A speculative verify committed ``accepted`` tokens of ``req`` (verify row ``row``) and
+        the request stopped inside them (its last tokens are past a stop token or
+        ``max_new_tokens``; SGLang keys the tree only up to the stop, ``Req.owned_kv_len``). The
+        slot holds the state after all of them, which no key up to the stop can be given, so
+        SGLang would insert nothing for the turn (``skip_radix_cache_insert``) and the next turn
+        would recompute it. The verify's per-token scratch (``intermediate_ssm`` /
+        ``intermediate_conv_window``, the rows the commit read from; overwritten only by the next
+        verify) still holds the state after every one of them: copy the one at the stop into the
+        slot and shorten the committed length to it, so the turn is inserted as without
+        speculation. Draft chains only (step ``t`` is the ``t``-th committed token; with draft
+        trees the accepted path's node numbers are not in the result). Returns whether it did."""
+        from sglang.srt.runtime_context import get_schedule, get_spec
+
+        kv = req.kv
+        stop, committed = req.owned_kv_len(), kv.kv_committed_len
+        step = stop - (committed - accepted) - 1
+        cache = getattr(self.req_to_token_pool.mamba_pool, "mamba_cache", None)
+        inter = getattr(cache, "intermediate_ssm", None)
+        if (
+            inter is None
+            or get_spec().speculative_eagle_topk not in (None, 1)
+            or not get_schedule().disable_overlap_schedule  # the next verify may have run already
+            or not kv.holds_mamba
+            or not 0 <= step < inter.shape[2]
+            or stop >= committed
+        ):
+            self.speculative_stops_lost += 1
+            return False
+        slot = int(kv.mamba_pool_idx)
+        cache.temporal[:, slot] = inter[:, row, step]
+        for conv, window in zip(cache.conv, cache.intermediate_conv_window):
+            conv[:, slot] = window[:, row, step]
+        kv.kv_committed_len = stop
+        self.speculative_stops_rewound += 1
+        return True
 
     def _export_plan(self, rid: str, seq) -> list[int]:
         """The stash's planner, asked when an extend forward begins."""

@@ -133,6 +133,14 @@ COUNTERS: dict[str, str] = {
     "matches_not_admitted": (
         "Requests matched while a prefill batch was filled, then not admitted (no room): their pinned hits released."
     ),
+    "speculative_stops_rewound": (
+        "Speculative decoding: requests that stopped inside a verify's accepted tokens, their state set back to "
+        "the stop from the verify's per-token scratch so the turn is cached."
+    ),
+    "speculative_stops_lost": (
+        "Speculative decoding: such requests whose turn could not be cached (a draft tree, or the overlap "
+        "scheduler already ran the next verify): SGLang inserts nothing for them."
+    ),
     "memory_blocks_to_kv": "Unified memory: blocks MLA KV took over.",
     "memory_blocks_to_active": "Unified memory: blocks active states took over.",
     "memory_blocks_to_checkpoints": "Unified memory: blocks checkpoints took over.",
@@ -227,6 +235,8 @@ def cache_stats(cache) -> dict[str, Any]:
         deferred_restores=restores.restored,
         kv_page_copies=cache.kv_page_copies,
         matches_not_admitted=cache.matches_not_admitted,
+        speculative_stops_rewound=cache.speculative_stops_rewound,
+        speculative_stops_lost=cache.speculative_stops_lost,
         hits_retaken_for_slot=cache.hits_retaken_for_slot,
     )
     d.update(memory_split(cache))

@@ -24,3 +24,10 @@ class K3CpuPlatform(CpuSRTPlatform):
         upstream --mamba-radix-cache-strategy extra_buffer`` is the live A/B's faithful
         baseline."""
         return True
+
+    def get_speculative_cache_locs_fn(self):
+        """The KV locations of a verify's draft tokens (``assign_extend_cache_locs_func``), in
+        torch: SGLang's kernels for it are Triton or ``sgl_kernel`` CPU ops the CUDA wheel lacks."""
+        from sglang_k3.kernels.spec.spec_torch import assign_extend_cache_locs
+
+        return assign_extend_cache_locs

@@ -38,13 +38,18 @@ def k3_factory(ctx):
             "--radix-cache-backend upstream is SGLang's own extra_buffer cache."
         )
     from sglang_k3.integration.k3_args import check_speculative, current
+    from sglang_k3.integration.platform_entry import cpu_platform_wanted
 
-    check_speculative(getattr(ctx.server_args, "speculative_algorithm", None))
+    sa = ctx.server_args
+    check_speculative(
+        getattr(sa, "speculative_algorithm", None),
+        cpu=cpu_platform_wanted(),
+        ngram_breadth=getattr(sa, "speculative_ngram_max_bfs_breadth", None),
+    )
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext
 
     hf = getattr(ctx.model_config, "hf_config", None)
-    sa = ctx.server_args
     tier_ctx = TierContext(
         model_path=sa.model_path,
         tokenizer_path=sa.tokenizer_path or sa.model_path,

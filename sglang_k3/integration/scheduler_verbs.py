@@ -20,6 +20,8 @@ patch (upstream symbol)                      verb
 (``Scheduler.process_batch_result``)         :meth:`~SchedulerVerbs.end_step`
 ``batch_result_decode_checkpoint``           :meth:`~SchedulerVerbs.after_decode` (inside the step)
 (the decode result processor)
+``spec_finish_rewind`` (the decode result    :meth:`~SchedulerVerbs.speculative_stop` (a request
+processor's ``_mamba_can_cache_finished_req``) that stopped inside a verify's tokens)
 ``scheduler_internal_state_k3``,             :meth:`~SchedulerVerbs.snapshot` (``/server_info``,
 ``scheduler_output_streamer_k3``             ``/metrics``; the per-request ``meta_info`` fields)
 ==========================================  =====================================================
@@ -31,7 +33,7 @@ verb hands the moment to the cache, whose lifecycle and retention decide.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 
 class SchedulerVerbs:
@@ -75,12 +77,18 @@ class SchedulerVerbs:
         """The batch's results are processed: run the queued stores in one launch."""
         self.cache.end_store_scope()
 
-    def after_decode(self, reqs: Iterable) -> None:
+    def after_decode(self, reqs: Iterable, advanced: Optional[Sequence[int]] = None) -> None:
         """After a decode step: every ``--k3-decode-checkpoint-interval`` tokens, checkpoint each
-        running request that was not retracted."""
-        for req in reqs:
+        running request that was not retracted. ``advanced``: the tokens each request committed
+        in the step (a speculative verify's accept lengths; one each without speculation)."""
+        for i, req in enumerate(reqs):
             if not getattr(req, "is_retracted", False):
-                self.cache.checkpoint_decode(req)
+                self.cache.checkpoint_decode(req, 1 if advanced is None else int(advanced[i]))
+
+    def speculative_stop(self, req, row: int, accepted: int) -> bool:
+        """A request stopped inside the tokens a speculative verify committed: set its state back
+        to the stop so its turn is cached (:meth:`K3RadixCache.rewind_to_stop`)."""
+        return self.cache.rewind_to_stop(req, row, accepted)
 
     # ---------------------------------------------------------------- observability
     def snapshot(self) -> dict[str, Any]:

@@ -1,0 +1,190 @@
+"""SGLang's speculative-decoding ops in pure torch, one per upstream kernel (contracts in each
+docstring; upstream names in ``kernels/spec/__init__.py``). Loops run over requests and tree
+nodes, which are few; the tensors they index may be any size."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def reconstruct_indices_from_tree_mask(
+    tree_mask: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    positions: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+) -> None:
+    """NGRAM's verify metadata from its draft tree (``reconstruct_indices_from_tree_mask``).
+
+    ``tree_mask[b, i, j]`` (flat, row-major) marks node ``j`` an ancestor of node ``i`` (or ``i``
+    itself). Per request ``b`` and node ``i``, in place: ``positions = verified_seq_len[b] +
+    #strict ancestors``; ``retrieve_index = b * n + i``; ``retrieve_next_token`` = the first
+    child (smallest later node whose parent is ``i``), else -1; ``retrieve_next_sibling`` = the
+    next node after ``i`` with the same parent, else -1 (-1 for the root). A node's parent is its
+    deepest (largest-numbered) strict ancestor."""
+    n = draft_token_num
+    if batch_size == 0:
+        return
+    m = tree_mask[: batch_size * n * n].reshape(batch_size, n, n).to(torch.bool).cpu()
+    order = torch.arange(n)
+    anc = m & (order.view(1, 1, n) < order.view(1, n, 1))  # [b, i, j]: j a strict ancestor of i
+    depth = anc.sum(-1)
+    positions[: batch_size * n] = (
+        (verified_seq_len[:batch_size].to(torch.long).cpu().view(-1, 1) + depth).reshape(-1).to(positions.dtype)
+    )
+    retrieve_index[:batch_size] = (torch.arange(batch_size).view(-1, 1) * n + order.view(1, -1)).to(
+        retrieve_index.dtype
+    )
+    parent = torch.where(anc.any(-1), (anc * order.view(1, 1, n)).argmax(-1), torch.full_like(depth, -1))
+    nxt = torch.full((batch_size, n), -1, dtype=torch.long)
+    sib = torch.full((batch_size, n), -1, dtype=torch.long)
+    for b in range(batch_size):
+        first_child: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):  # descending: every later node is known when i is reached
+            nxt[b, i] = first_child.get(i, -1)
+            p = int(parent[b, i])
+            if p >= 0:
+                sib[b, i] = first_child.get(p, -1)
+                first_child[p] = i
+    retrieve_next_token[:batch_size] = nxt.to(retrieve_next_token.dtype)
+    retrieve_next_sibling[:batch_size] = sib.to(retrieve_next_sibling.dtype)
+
+
+def assign_extend_cache_locs(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+    device,
+) -> torch.Tensor:
+    """The KV locations of each request's tokens ``[start, end)``, concatenated
+    (``assign_extend_cache_locs_func``; a platform's ``get_speculative_cache_locs_fn``)."""
+    if batch_size == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    rows = req_pool_indices[:batch_size].to(torch.long)
+    s, e = start_offset[:batch_size].to(torch.long), end_offset[:batch_size].to(torch.long)
+    return torch.cat([req_to_token[r, a:b] for r, a, b in zip(rows.tolist(), s.tolist(), e.tolist())]).to(torch.int64)
+
+
+def assign_req_to_token_pool(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    batch_size: int,
+) -> None:
+    """Write ``out_cache_loc`` (each request's new locations, concatenated in batch order) into
+    ``req_to_token[req, start:end]`` (``assign_req_to_token_pool_func``)."""
+    pos = 0
+    rows = req_pool_indices[:batch_size].to(torch.long).tolist()
+    starts = start_offset[:batch_size].to(torch.long).tolist()
+    ends = end_offset[:batch_size].to(torch.long).tolist()
+    for r, a, b in zip(rows, starts, ends):
+        req_to_token[r, a:b] = out_cache_loc[pos : pos + (b - a)].to(req_to_token.dtype)
+        pos += b - a
+
+
+def fill_front_out_cache_loc(num_front: torch.Tensor, out_cache_loc: torch.Tensor, front_out_cache_loc: torch.Tensor):
+    """Pack the first ``num_front[i]`` entries of request ``i``'s window of ``out_cache_loc``
+    (``out_cache_loc.view(bs, -1)``) into ``front_out_cache_loc``, in order
+    (``fill_front_out_cache_loc_func``)."""
+    bs = num_front.numel()
+    window = out_cache_loc.view(bs, -1)
+    pos = 0
+    for i, n in enumerate(num_front.to(torch.long).tolist()):
+        front_out_cache_loc[pos : pos + n] = window[i, :n].to(front_out_cache_loc.dtype)
+        pos += n
+
+
+def fill_accept_out_cache_loc(
+    accept_index: torch.Tensor, out_cache_loc: torch.Tensor, accept_out_cache_loc: torch.Tensor, size: int
+):
+    """``accept_out_cache_loc[k] = out_cache_loc[j]`` for the ``k``-th entry ``j`` of
+    ``accept_index`` (flat, first ``size``) that is not -1 (``fill_accept_out_cache_loc_func``)."""
+    flat = accept_index.reshape(-1)[:size].to(torch.long)
+    kept = flat[flat != -1]
+    accept_out_cache_loc[: kept.numel()] = out_cache_loc[kept].to(accept_out_cache_loc.dtype)
+
+
+def verify_tree_greedy(
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_token_num: torch.Tensor,
+    candidates: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    target_predict: torch.Tensor,
+    topk: int = -1,
+):
+    """Greedy acceptance over a draft tree (``verify_tree_greedy_func``). Per request, from the
+    root: among the children of the last accepted node, accept the first (in sibling order) whose
+    draft token equals the target's greedy token at the last accepted node; stop when none does.
+    In place: ``accept_index[b, 0..m]`` (flat draft indices of the root and the accepted nodes),
+    ``accept_token_num[b] = m``, and ``predicts[idx]`` = the target's token at every accepted node
+    (the last one's is the bonus token). Returns the three outputs."""
+    bs = candidates.shape[0]
+    steps = accept_index.shape[1]
+    tp = target_predict.reshape(-1).tolist()
+    cand = candidates.tolist()
+    ridx = retrieve_index.tolist()
+    nxt = retrieve_next_token.tolist()
+    sib = retrieve_next_sibling.tolist()
+    for b in range(bs):
+        last = ridx[b][0]
+        accept_index[b, 0] = last
+        accepted, cur = 0, 0
+        for _ in range(1, steps):
+            cur = nxt[b][cur]
+            target = tp[last]
+            while cur != -1 and cand[b][cur] != target:
+                cur = sib[b][cur]
+            if cur == -1:
+                break
+            predicts[last] = target
+            accepted += 1
+            last = ridx[b][cur]
+            accept_index[b, accepted] = last
+        accept_token_num[b] = accepted
+        predicts[last] = tp[last]
+    return predicts, accept_index, accept_token_num
+
+
+def _scatter_steps(dst, src, dst_idx, steps, src_idx: Optional[torch.Tensor]):
+    """``dst[:, dst_idx[i]] = src[:, src_idx[i], steps[i]]`` for every valid ``i`` (index >= 0)."""
+    d = dst_idx.to(torch.long).cpu()
+    s = steps.to(torch.long).cpu()
+    r = torch.arange(s.numel()) if src_idx is None else src_idx.to(torch.long).cpu()
+    ok = ((d >= 0) & (s >= 0) & (s < src.shape[2]) & (r >= 0)).nonzero(as_tuple=True)[0]
+    if ok.numel():
+        dst[:, d[ok]] = src[:, r[ok], s[ok]].to(dst.dtype)
+
+
+def scatter_mamba_states_after_mtp_verify(
+    mamba_caches,
+    state_indices_tensor: torch.Tensor,
+    last_correct_step_indices: torch.Tensor,
+    mamba_track_indices: Optional[torch.Tensor],
+    mamba_steps_to_track: Optional[torch.Tensor],
+    src_indices_raw: Optional[torch.Tensor] = None,
+) -> None:
+    """Commit the verify: each request's slot takes the recurrent state and conv windows of its
+    last accepted step from the per-step scratch (verify row ``i``, or ``src_indices_raw[i]``);
+    with ``extra_buffer`` tracking, the track slots take the step where an interval was crossed
+    (``scatter_mamba_states_after_mtp_verify``; a step of -1 writes nothing)."""
+    jobs = [(mamba_caches.temporal, mamba_caches.intermediate_ssm)]
+    jobs += list(zip(mamba_caches.conv, mamba_caches.intermediate_conv_window))
+    for dst, src in jobs:
+        if dst is None or src is None or dst.numel() == 0:
+            continue
+        _scatter_steps(dst, src, state_indices_tensor, last_correct_step_indices, src_indices_raw)
+        if mamba_track_indices is not None:
+            _scatter_steps(dst, src, mamba_track_indices, mamba_steps_to_track, src_indices_raw)
