@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import sys
@@ -37,6 +36,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from benchmarks.live import workloads as wl  # noqa: E402
+from benchmarks.live.report import bar_panel, write_report  # noqa: E402
 from benchmarks.live_ab import git_info, machine_info  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "pd_handback")
@@ -148,12 +148,7 @@ def plot(runs: dict, path: str, title: str) -> None:
     colors = {"single": "#7f7f7f", "pd": "#1f77b4", "pd_handback": "#2ca02c"}
     names = list(runs)
     for ax, (metric, label) in zip(axes, panels):
-        ys = [runs[n]["metrics"][metric] or 0 for n in names]
-        bars = ax.bar(names, ys, color=[colors[n] for n in names])
-        for b, y in zip(bars, ys):
-            ax.annotate(f"{y:.3g}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
-        ax.set_title(label, fontsize=10)
-        ax.tick_params(axis="x", labelsize=8)
+        bar_panel(ax, names, [runs[n]["metrics"][metric] or 0 for n in names], colors, label)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -205,18 +200,15 @@ def main(argv=None) -> int:
         "git": git_info(),
         "machine": machine_info(),
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
     w = result["workload"]
     title = (
         f"{w['conversations']} chats x {w['turns']} turns, {w['reply_len']}-token replies, "
         f"one request at a time ({args.server_args})"
     )
     plot(runs, os.path.join(args.out, "pd_handback.png"), title)
-    with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write("# Prefill/decode disaggregation: the turn handed back\n\n")
-        f.write(f"`python -m benchmarks.pd_handback`; {title}.\n\n")
-        f.write(_table(runs) + "\n\n![pd_handback](pd_handback.png)\n")
+    write_report(
+        args.out, "pd_handback", result, "Prefill/decode disaggregation: the turn handed back", title, _table(runs)
+    )
     print(_table(runs))
     _say(f"wrote {args.out}/results.json, pd_handback.png and README.md ({result['wall_s']:.0f} s)")
     return 0

@@ -17,6 +17,7 @@ draft chains, which ``launch_server`` sets for k3 and which is passed to the oth
 * ``repeat``: ``--repeat-prompts`` fresh prompts, each sent twice in a row (a retry or a
   regenerate): NGRAM drafts the second answer from the first, and a cache serves the prompt.
 
+Each server answers a warm-up prompt twice before the workloads (then its cache is flushed).
 Reports per server and workload the token hit rate, the prompt tokens computed, the accept length
 (tokens committed per verify step: accepted drafts plus the target's own token), output tokens/s,
 TTFT p50/p90, and greedy mismatches against ``k3`` (none expected with fp32 checkpoints; int8 may
@@ -28,7 +29,6 @@ Writes OUT/results.json, OUT/spec_ab.png and OUT/README.md (default ``benchmarks
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shlex
@@ -42,6 +42,7 @@ if REPO not in sys.path:
 
 from benchmarks.live import workloads as wl  # noqa: E402
 from benchmarks.live.client import generate_stream, summarize_results  # noqa: E402
+from benchmarks.live.report import bar_panel, write_report  # noqa: E402
 from benchmarks.live_ab import git_info, machine_info  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "spec_ab")
@@ -113,11 +114,22 @@ def run_repeat(url: str, vocab: list[int], args) -> tuple[dict, dict]:
     return summarize_results(results, duration), {r.key: r.output_ids for r in results if r.error is None}
 
 
+def warm_up(srv, vocab: list[int]) -> None:
+    """A prompt answered twice (the second time from accepted drafts), then a flush: first-use
+    costs (on a GPU the verify's kernels compile at their first launch) stay out of the timings of
+    whichever server runs first."""
+    prompt = [vocab[(i * 7) % len(vocab)] for i in range(200)]
+    for _ in range(2):
+        srv.generate(prompt, 32)
+    srv.flush_cache()
+
+
 def _run_one(name: str, args, vocab: list[int], log_dir: str) -> tuple[dict, dict, list[str]]:
     from sglang_k3.fleet.instance import Server
 
     srv = Server(name, server_args(name, args), log_dir=log_dir, log_prefix="spec_ab").start()
     try:
+        warm_up(srv, vocab)
         metrics, outputs = {}, {}
         m, o = wl.run_multiturn(
             srv.url, name, vocab, interleaved=True, verbose=not args.quiet, **wl.multiturn_kwargs(args)
@@ -141,12 +153,7 @@ def plot(runs: dict, path: str, title: str) -> None:
     names = list(runs)
     for row, w in zip(axes, WORKLOADS):
         for ax, (metric, label) in zip(row, panels):
-            ys = [runs[n]["metrics"][w][metric] or 0 for n in names]
-            bars = ax.bar(names, ys, color=[colors[n] for n in names])
-            for b, y in zip(bars, ys):
-                ax.annotate(f"{y:.3g}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
-            ax.set_title(f"{w}: {label}", fontsize=10)
-            ax.tick_params(axis="x", labelsize=7)
+            bar_panel(ax, names, [runs[n]["metrics"][w][metric] or 0 for n in names], colors, f"{w}: {label}")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -209,14 +216,9 @@ def main(argv=None) -> int:
         "git": git_info(),
         "machine": machine_info(),
     }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
     title = f"NGRAM ({args.spec_args}); every server: {args.server_args or 'defaults'}"
     plot(runs, os.path.join(args.out, "spec_ab.png"), title)
-    with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write("# Speculative decoding (NGRAM) with the k3 cache\n\n")
-        f.write(f"`python -m benchmarks.spec_ab`; {title}.\n\n")
-        f.write(_table(runs) + "\n\n![spec_ab](spec_ab.png)\n")
+    write_report(args.out, "spec_ab", result, "Speculative decoding (NGRAM) with the k3 cache", title, _table(runs))
     print(_table(runs))
     _say(f"wrote {args.out}/results.json, spec_ab.png and README.md ({result['wall_s']:.0f} s)")
     return 0

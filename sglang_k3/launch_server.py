@@ -127,13 +127,18 @@ def _check_page_size(argv: list[str]) -> None:
         raise SystemExit(f"--page-size {value}: {e}") from None
 
 
-def _speculative_defaults(argv: list[str], cpu: bool) -> list[str]:
+def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], K3Config]:
     """Speculative decoding with the k3 cache: NGRAM serves, the rest stops here, before SGLang
     starts (:func:`~sglang_k3.integration.k3_args.check_speculative` says why). On the CPU
-    platform NGRAM verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10)."""
+    platform NGRAM verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10). On a GPU
+    the k3 cache runs over SGLang's fixed pools with speculation: on an H100 its verify ran 0.56x
+    the cache-off server's output tokens/s over the unified buffer and 0.83x over fixed pools
+    (benchmarks/GPU_NOTES.md, sixth session); on CPU the two are alike, so unified memory stays."""
+    import dataclasses
+
     algorithm = _value(argv, "--speculative-algorithm")
     if not algorithm or not _k3_serves(argv):
-        return argv
+        return argv, cfg
     from sglang_k3.integration.k3_args import NGRAM_CPU_BREADTH_FLAG, check_speculative
 
     if cpu and str(algorithm).upper() == "NGRAM" and _value(argv, NGRAM_CPU_BREADTH_FLAG) is None:
@@ -147,7 +152,14 @@ def _speculative_defaults(argv: list[str], cpu: bool) -> list[str]:
         check_speculative(algorithm, cpu=cpu, ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG))
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    return argv
+    if not cpu and cfg.unified_memory:
+        print(
+            f"sglang-k3: --speculative-algorithm {algorithm} on a GPU: the k3 cache runs over SGLang's own KV and "
+            "state pools (as --k3-no-unified-memory): the verify ran slower over the unified buffer",
+            file=sys.stderr,
+        )
+        cfg = dataclasses.replace(cfg, unified_memory=False)
+    return argv, cfg
 
 
 def _check_mooncake_client() -> None:
@@ -221,7 +233,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], K3Config]:
         # prefills then leave no chunk-boundary checkpoints (never a wrong one).
         os.environ.setdefault(CONSECUTIVE_PREFILL_ENV, "1")
     cpu = cfg.cpu_defaults and cpu_platform_wanted()
-    rest = _speculative_defaults(rest, cpu)
+    rest, cfg = _speculative_defaults(rest, cfg, cpu)
     rest, cfg = _pd_defaults(rest, cfg, cpu)
     if cpu:
         rest = _with_defaults(rest, _cpu_defaults_for(rest))

@@ -50,29 +50,21 @@ def k3_cache_on_cpu(cfg, layers=(0, 2, 3)):
     return K3RadixCache(params, cfg)
 
 
-def unified_k3_cache_on_cpu(
-    cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba_size: int = 6, rows: int = 4, page: int = 1
-):
-    """The server's ``K3RadixCache`` over the unified budget, built as the server builds it: real
-    SGLang KV and state pools (and its paged allocator at ``page`` over 1), then
-    :func:`sglang_k3.integration.unified_memory.install`. Returns ``(cache, kv_pool, allocator)``."""
+def mla_kv_pool_and_allocator(rtp, *, kv_tokens: int, page: int = 1, mla_layers=(1,)):
+    """SGLang's ``HybridLinearKVPool`` (MLA KV for ``mla_layers``, the KDA states of ``rtp``'s
+    mamba pool) and its token allocator (its paged one at ``page`` over 1), small, on the CPU."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
-    from sglang_k3.integration.k3_cache import K3RadixCache
-    from sglang_k3.integration.unified_memory import install
-
-    rtp = hybrid_pool(list(layers), heads=2, head_dim=16, conv_kernel=4, mamba_size=mamba_size, size=rows)
     kv = HybridLinearKVPool(
         size=kv_tokens,
         dtype=torch.float32,
         page_size=page,
         head_num=1,
         head_dim=48,
-        full_attention_layer_ids=[1],
+        full_attention_layer_ids=list(mla_layers),
         device="cpu",
         mamba_pool=rtp.mamba_pool,
         use_mla=True,
@@ -85,6 +77,22 @@ def unified_k3_cache_on_cpu(
         alloc = PagedTokenToKVPoolAllocator(
             size=kv_tokens, page_size=page, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
         )
+    return kv, alloc
+
+
+def unified_k3_cache_on_cpu(
+    cfg, layers=(0, 2, 3), *, kv_tokens: int = 96, mamba_size: int = 6, rows: int = 4, page: int = 1
+):
+    """The server's ``K3RadixCache`` over the unified budget, built as the server builds it: real
+    SGLang KV and state pools (and its paged allocator at ``page`` over 1), then
+    :func:`sglang_k3.integration.unified_memory.install`. Returns ``(cache, kv_pool, allocator)``."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sglang_k3.integration.k3_cache import K3RadixCache
+    from sglang_k3.integration.unified_memory import install
+
+    rtp = hybrid_pool(list(layers), heads=2, head_dim=16, conv_kernel=4, mamba_size=mamba_size, size=rows)
+    kv, alloc = mla_kv_pool_and_allocator(rtp, kv_tokens=kv_tokens, page=page)
     alloc = install(cfg, rtp, kv, alloc)
     params = CacheInitParams(disable=False, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=page)
     return K3RadixCache(params, cfg), kv, alloc

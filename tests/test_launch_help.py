@@ -215,8 +215,8 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
     from sglang_k3 import launch_server as L
 
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
-    argv, _ = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
-    assert argv[argv.index("--speculative-ngram-max-bfs-breadth") + 1] == "1"
+    argv, cfg = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
+    assert argv[argv.index("--speculative-ngram-max-bfs-breadth") + 1] == "1" and cfg.unified_memory
     assert "the CPU path verifies draft chains" in capsys.readouterr().err
     argv, _ = L.build_argv(
         ["--model-path", "/m", "--speculative-algorithm=NGRAM", "--speculative-ngram-max-bfs-breadth", "1"]
@@ -230,8 +230,10 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
         with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve with it"):
             L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
-    gpu, _ = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
+    gpu, cfg = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
     assert "--speculative-ngram-max-bfs-breadth" not in gpu  # SGLang's trees on a GPU
+    assert not cfg.unified_memory  # fixed pools: the GPU verify ran faster there
+    assert "the verify ran slower over the unified buffer" in capsys.readouterr().err
     argv, _ = L.build_argv(
         ["--model-path", "/m", "--speculative-algorithm", "EAGLE", "--radix-cache-backend", "upstream"]
     )

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from cpu_pools import hybrid_pool, unified_k3_cache_on_cpu
+from cpu_pools import hybrid_pool, mla_kv_pool_and_allocator, unified_k3_cache_on_cpu
 
 from sglang_k3.config import K3Config
 from sglang_k3.integration.unified_memory import UnifiedConfigError, plan
@@ -384,34 +384,12 @@ def test_the_pd_transfer_reads_every_layers_kv_and_the_whole_state_from_one_regi
 
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.disaggregation.utils import build_kv_layer_ids, get_kv_transfer_buf_infos, setup_state_kv_args
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     from sglang_k3.integration.unified_memory import install
     from sglang_k3.state.unified_buffer import StateLayout
 
     rtp = hybrid_pool([0, 2, 3], heads=2, head_dim=16, conv_kernel=4, mamba_size=6, size=4)
-    kv = HybridLinearKVPool(
-        size=256,
-        dtype=torch.float32,
-        page_size=page,
-        head_num=1,
-        head_dim=48,
-        full_attention_layer_ids=[1, 4],
-        device="cpu",
-        mamba_pool=rtp.mamba_pool,
-        use_mla=True,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-    )
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-
-    if page == 1:
-        alloc = TokenToKVPoolAllocator(size=256, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False)
-    else:
-        alloc = PagedTokenToKVPoolAllocator(
-            size=256, page_size=page, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
-        )
+    kv, alloc = mla_kv_pool_and_allocator(rtp, kv_tokens=256, page=page, mla_layers=(1, 4))
     assert install(K3Config(), rtp, kv, alloc) is not None
     views = kv.full_kv_pool.kv_buffer
     cache = rtp.mamba_pool.mamba_cache
