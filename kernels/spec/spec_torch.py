@@ -4,8 +4,6 @@ nodes, which are few; the tensors they index may be any size."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -156,35 +154,3 @@ def verify_tree_greedy(
         accept_token_num[b] = accepted
         predicts[last] = tp[last]
     return predicts, accept_index, accept_token_num
-
-
-def _scatter_steps(dst, src, dst_idx, steps, src_idx: Optional[torch.Tensor]):
-    """``dst[:, dst_idx[i]] = src[:, src_idx[i], steps[i]]`` for every valid ``i`` (index >= 0)."""
-    d = dst_idx.to(torch.long).cpu()
-    s = steps.to(torch.long).cpu()
-    r = torch.arange(s.numel()) if src_idx is None else src_idx.to(torch.long).cpu()
-    ok = ((d >= 0) & (s >= 0) & (s < src.shape[2]) & (r >= 0)).nonzero(as_tuple=True)[0]
-    if ok.numel():
-        dst[:, d[ok]] = src[:, r[ok], s[ok]].to(dst.dtype)
-
-
-def scatter_mamba_states_after_mtp_verify(
-    mamba_caches,
-    state_indices_tensor: torch.Tensor,
-    last_correct_step_indices: torch.Tensor,
-    mamba_track_indices: Optional[torch.Tensor],
-    mamba_steps_to_track: Optional[torch.Tensor],
-    src_indices_raw: Optional[torch.Tensor] = None,
-) -> None:
-    """Commit the verify: each request's slot takes the recurrent state and conv windows of its
-    last accepted step from the per-step scratch (verify row ``i``, or ``src_indices_raw[i]``);
-    with ``extra_buffer`` tracking, the track slots take the step where an interval was crossed
-    (``scatter_mamba_states_after_mtp_verify``; a step of -1 writes nothing)."""
-    jobs = [(mamba_caches.temporal, mamba_caches.intermediate_ssm)]
-    jobs += list(zip(mamba_caches.conv, mamba_caches.intermediate_conv_window))
-    for dst, src in jobs:
-        if dst is None or src is None or dst.numel() == 0:
-            continue
-        _scatter_steps(dst, src, state_indices_tensor, last_correct_step_indices, src_indices_raw)
-        if mamba_track_indices is not None:
-            _scatter_steps(dst, src, mamba_track_indices, mamba_steps_to_track, src_indices_raw)

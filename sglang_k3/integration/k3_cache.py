@@ -412,10 +412,14 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         ):
             self.speculative_stops_lost += 1
             return False
-        slot = int(kv.mamba_pool_idx)
-        cache.temporal[:, slot] = inter[:, row, step]
-        for conv, window in zip(cache.conv, cache.intermediate_conv_window):
-            conv[:, slot] = window[:, row, step]
+        import torch
+        from sglang.kernels.ops.mamba import mamba_state_scatter_triton as commit
+
+        one = lambda i: torch.tensor([int(i)], dtype=torch.int64, device=cache.temporal.device)  # noqa: E731
+        # SGLang's own commit of a verify (the CPU patch's on CPU), for this request's stop step
+        commit.scatter_mamba_states_after_mtp_verify(
+            cache, one(kv.mamba_pool_idx), one(step), None, None, src_indices_raw=one(row)
+        )
         kv.kv_committed_len = stop
         self.speculative_stops_rewound += 1
         return True
