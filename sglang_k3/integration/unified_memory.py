@@ -435,11 +435,10 @@ def describe_for_transfer(token_to_kv_pool, kv_pool, mamba_pool, buf: UnifiedBuf
     state_item = g.active_span * g.block_bytes
     first_layer = list(getattr(token_to_kv_pool, "full_attention_layer_id_mapping", None) or [0])[:1]
 
+    # the hybrid pool hands both questions to these (HybridLinearKVPool.get_contiguous_buf_infos
+    # asks its full_kv_pool); one entry, so one layer id: the peers pair entries by id
     kv_pool.get_contiguous_buf_infos = lambda: ([base], [total], [kv_item])
-    if token_to_kv_pool is not kv_pool:
-        token_to_kv_pool.get_contiguous_buf_infos = lambda: ([base], [total], [kv_item])
-        # one entry, so one layer id: the peers pair entries by id
-        token_to_kv_pool.get_kv_layer_ids = lambda: list(first_layer)
+    token_to_kv_pool.get_kv_layer_ids = lambda: list(first_layer)
     mamba_pool.get_contiguous_buf_infos = lambda: ([base], [total], [state_item])
     # A whole-slot envelope has no per-tensor dims, layer ids or shard groups: it cannot be
     # TP-resliced (as SGLang's own unified pool), so both sides run the same attention TP.
