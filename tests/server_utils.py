@@ -5,6 +5,7 @@ The implementation is shared with the live A/B benchmark: ``benchmarks/live/serv
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,3 +19,11 @@ from sglang_k3.fleet.instance import k3_state as _k3_state_at  # noqa: E402
 def k3_state(server) -> dict:
     """The k3 cache's counters and sizes as ``/server_info`` reports them (its first scheduler)."""
     return _k3_state_at(server.url)
+
+
+def run_benchmark(module: str, args: list, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` from the repository root with its output captured: how the
+    tests run a benchmark's command line (its help, its errors, a small end-to-end run)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=_REPO, capture_output=True, text=True, timeout=timeout
+    )

@@ -6,10 +6,10 @@ multi-turn chat. Plus fast checks of the pure helpers and of the CLI's clear err
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +17,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from server_utils import run_benchmark  # noqa: E402
 
 from benchmarks import live_ab  # noqa: E402
 from benchmarks.live.client import percentile  # noqa: E402
@@ -48,10 +50,7 @@ def _k3_fp32_args() -> str:
     return "--k3-checkpoint-dtype fp32" if "--k3-checkpoint-dtype" in p._option_string_actions else ""
 
 
-def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.live_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+_run = functools.partial(run_benchmark, "benchmarks.live_ab")
 
 
 # ----------------------------------------------------------------------------- fast checks

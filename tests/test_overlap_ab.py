@@ -4,23 +4,13 @@ whose two servers return the same greedy tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from server_utils import run_benchmark
 
-
-def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.overlap_ab", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+_run = functools.partial(run_benchmark, "benchmarks.overlap_ab")
 
 
 def test_help_and_bad_flags():

@@ -4,17 +4,11 @@ so this test does not start them again."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import functools
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from server_utils import run_benchmark
 
-
-def _run(args: list) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.pd_handback", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+_run = functools.partial(run_benchmark, "benchmarks.pd_handback")
 
 
 def test_help_names_the_three_deployments_and_bad_flags_fail_with_the_reason():

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import functools
 
+from server_utils import run_benchmark
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "benchmarks.soak", *args], capture_output=True, text=True, timeout=120)
+_run = functools.partial(run_benchmark, "benchmarks.soak")
 
 
 def test_help_names_every_flag():
-    r = _run("--help")
+    r = _run(["--help"])
     assert r.returncode == 0
     for flag in ("--seeds", "--start-seed", "--rounds", "--k3-args", "--server-args", "--matrix", "--out"):
         assert flag in r.stdout
 
 
 def test_bad_seed_count_is_refused():
-    r = _run("--seeds", "0")
+    r = _run(["--seeds", "0"])
     assert r.returncode == 2 and "--seeds and --rounds must be >= 1" in r.stderr
 
 

@@ -4,17 +4,11 @@ NGRAM against k3 and a cache-off server), so this test does not start them again
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import functools
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from server_utils import run_benchmark
 
-
-def _run(args: list) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.spec_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+_run = functools.partial(run_benchmark, "benchmarks.spec_ab")
 
 
 def test_help_names_the_four_servers_and_bad_flags_fail_with_the_reason():

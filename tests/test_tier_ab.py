@@ -5,21 +5,14 @@ same greedy tokens."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from needs_mooncake import needs_mooncake
+from server_utils import run_benchmark
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(args: list, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.tier_ab", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+_run = functools.partial(run_benchmark, "benchmarks.tier_ab")
 
 
 def test_help_and_bad_flags():
