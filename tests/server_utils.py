@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
@@ -27,3 +29,28 @@ def run_benchmark(module: str, args: list, timeout: float = 120.0) -> subprocess
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=_REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+def abort_all_mid_flight(server, prompts: list, max_new_tokens: int, after_s: float) -> list:
+    """Send every prompt at once (greedy, one thread each), abort them all through
+    ``/abort_request`` ``after_s`` seconds later, wait for every request to come back. Returns each
+    request's response, or the exception it raised (an aborted request may come back as an error)."""
+    import requests
+
+    results: list = [None] * len(prompts)
+
+    def run(i):
+        try:
+            results[i] = server.generate(prompts[i], max_new_tokens)
+        except Exception as e:  # recorded for the caller
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    time.sleep(after_s)
+    requests.post(server.url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a request did not come back after the abort"
+    return results

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 
-import requests
-from server_utils import k3_state
+from server_utils import abort_all_mid_flight, k3_state
 from workloads import random_tokens, run_conversations
 
 
@@ -113,7 +112,6 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     """Twelve concurrent requests sharing a cached prefix (more than the server runs at once, so
     some wait), all aborted mid-flight: the cache then tracks no request, a restore launch was not
     left pending, and the server still serves the prefix from its checkpoint."""
-    import threading
 
     s = server_factory("k3_int8")
     _flush(s)
@@ -121,24 +119,7 @@ def test_aborted_requests_leave_nothing_behind(server_factory):
     shared = random_tokens(rng, 200)
     s.generate(shared, 2)  # the prefix's checkpoints (exported at 192, prompt end at 200)
     prompts = [shared + random_tokens(rng, 40) for _ in range(12)]
-    results: list = [None] * len(prompts)
-
-    def run(i):
-        try:
-            results[i] = s.generate(prompts[i], 400)
-        except Exception as e:  # recorded; an aborted request may come back as an error
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    import time
-
-    time.sleep(3.0)
-    requests.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads)
+    results = abort_all_mid_flight(s, prompts, 400, after_s=3.0)
     finished = [r for r in results if isinstance(r, dict)]
     aborted = [r for r in finished if r["meta_info"]["finish_reason"]["type"] == "abort"]
     assert aborted, [r["meta_info"]["finish_reason"] for r in finished]

@@ -15,11 +15,9 @@ answer is in the corpus and drafts are accepted.
 from __future__ import annotations
 
 import random
-import threading
 import time
 
-import requests
-from server_utils import k3_state
+from server_utils import abort_all_mid_flight, k3_state
 from workloads import random_tokens
 
 NEW = 40
@@ -117,22 +115,7 @@ def test_an_abort_mid_speculation_leaves_no_state_behind(server_factory):
     rng = random.Random(3437)
     prompt = random_tokens(rng, 120)
     first = s.generate(prompt, 300)
-    results: list = [None] * 4
-
-    def run(i):
-        try:
-            results[i] = s.generate(prompt + [i + 3], 300)
-        except Exception as e:  # an aborted request may come back as an error
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(2.0)
-    requests.post(s.url + "/abort_request", json={"abort_all": True}, timeout=60).raise_for_status()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads)
+    results = abort_all_mid_flight(s, [prompt + [i + 3] for i in range(4)], 300, after_s=2.0)
     reasons = [r["meta_info"]["finish_reason"]["type"] for r in results if isinstance(r, dict)]
     assert "abort" in reasons, reasons
     deadline = time.time() + 30
