@@ -26,7 +26,6 @@ setup(
     install_requires=[
         "sglang==0.5.23",
         "torch==2.14.1",
-        "xxhash",  # the tier objects' checksum (sglang_k3/tiers/codec.py); SGLang depends on it too
     ],
     extras_require={
         "test": [

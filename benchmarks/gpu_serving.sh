@@ -176,8 +176,12 @@ spec)
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
 tiermoves)
-  timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm"
+  timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm" ${GTM_ARGS:-}
   echo "gpu_tier_moves exit $?"
+  # the same bytes in 2 long boundaries (16k tokens each): the per-boundary fixed cost amortised
+  timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm_long" \
+    --checkpoints 2 --kv-tokens 32768 ${GTM_ARGS:-}
+  echo "gpu_tier_moves (long) exit $?"
   ;;
 *)
   echo "unknown phase $PHASE (all, differential, ab, det, probe, spec, tiermoves)"

@@ -9,12 +9,21 @@ moved device -> host -> device:
 * ``shipped``: what ``--k3-host-tier-gib`` runs: the tier manager over a host store and the
   server's :class:`~sglang_k3.tiers.torch_io.PoolTierIO`, one boundary at a time (a checkpoint and
   the KV of its prefix, as 64-token block objects and a tail), saved, then found and loaded, with
-  keys, hashing, the checked object format and the store included. The store is cleared before
+  keys, hashing, the checked object format (checksums on the device) and the store included.
+  Every object saved is then decoded once more with the checksum verified on the host (the
+  numpy reference), so the device's checksums are checked against the reference here too. The store is cleared before
   each save: the first writes into fresh memory (``save_first_*``), the later ones into the spare
   buffers the clear left, as a full host tier's saves do (the median, ``save_*``);
 * ``shipped_writer``: the same saves with the writer thread on (``--k3-tier-write-queue-mib``, the
   server's default): ``caller_s`` is what the saves take on the caller's (the scheduler's)
-  thread, the read off the device into the new objects; ``landed_s`` until every write landed;
+  thread (keys, lookups, and starting the read off the device into the new objects);
+  ``landed_s`` until every write landed (the copies, sealing and puts, in the writer thread);
+  into spare buffers, the first repetition (fresh memory) not counted;
+* ``shipped_writer_batch``: the same with all the boundaries in one ``save_many`` call, as an
+  eviction that demotes several boundaries hands them over (reads in groups of 256 MiB, each
+  started as soon as it is planned: here one group);
+* ``shipped_writer_sustained``: three such batches of new boundaries back to back, until all
+  landed (the demotion rate a server sustains: one batch's planning overlaps the last one's copies);
 * ``pinned_batch``: the same bytes gathered into one pinned host buffer with non-blocking copies
   and one synchronisation per direction (what a batched tier IO would do);
 * the link itself: one 256 MiB pinned copy each way, the reference every fraction is taken of.
@@ -60,12 +69,38 @@ def _walls(fn, reps: int) -> list[float]:
     return ts
 
 
+def _profile(fns: dict, out: str) -> None:
+    """One call of each of ``fns`` under cProfile (with a device sync), the top entries by own
+    time written to ``out/profile_NAME.txt``."""
+    import cProfile
+    import io
+    import pstats
+
+    os.makedirs(out, exist_ok=True)
+    for name, fn in fns.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+            f.write(buf.getvalue())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoints", type=int, default=8, help="checkpoints per batch")
     ap.add_argument("--kv-tokens", type=int, default=16384, help="MLA KV tokens per batch")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write where the host's time goes in one shipped save and load (cProfile)",
+    )
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU (checks the script, measures nothing useful)")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -112,6 +147,13 @@ def main() -> int:
 
     save_times = _walls(save, args.reps)
     t_save = statistics.median(save_times)
+    # the checksums the device computed are the reference's: every object checked on the host
+    from sglang_k3.tiers import codec
+
+    checked = 0
+    for key in list(host_store._objects):
+        codec.decode(key, host_store.get(key), io.kv_token_bytes, io.state_bytes, verify=True)
+        checked += 1
     fresh = pool.alloc(n)
 
     def load() -> None:
@@ -122,6 +164,13 @@ def main() -> int:
             assert mgr.load(plan, dst_kv[b * per : b * per + plan.pos], s) is not None
 
     t_load = _wall(load, args.reps)
+    if args.profile:
+
+        def save_batch() -> None:
+            host_store.clear()
+            mgr.save_many([(toks[b], src_kv[b * per : (b + 1) * per], len(toks[b]), slots[b], 0) for b in range(n)])
+
+        _profile({"save": save, "save_batch": save_batch, "load": load}, args.out)
     ok = all(
         torch.equal(pool.q[a], pool.q[b]) and torch.equal(pool.scale[a], pool.scale[b]) for a, b in zip(slots, fresh)
     )
@@ -135,37 +184,72 @@ def main() -> int:
         "save_first_gbps": moved_bytes / save_times[0] / 1e9,
         "save_s": t_save,
         "load_s": t_load,
+        "objects_checked_on_host": checked,
         "host_buffers_pinned": host_store.stats().get("tier_host_pin_registered", 0),
         "host_buffers_pin_failures": host_store.stats().get("tier_host_pin_failures", 0),
         "save_gbps": moved_bytes / t_save / 1e9,
         "load_gbps": moved_bytes / t_load / 1e9,
     }
 
-    # shipped, with the writer thread: the caller reads off the device, the writer seals and puts
-    w_store = HostStore(4 * total, alloc=host_buffers_for(dev))
-    w_mgr = TierManager([w_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=2 * total)
-    callers, landed = [], []
-    for _ in range(args.reps):
-        w_store.clear()
+    # shipped, with the writer thread: the caller reads off the device, the writer seals and puts;
+    # one boundary per call (write-through, parking), then all in one call (an eviction's batch)
+    batch = [(toks[b], src_kv[b * per : (b + 1) * per], len(toks[b]), slots[b], 0) for b in range(n)]
+    for name, one_call in (("shipped_writer", False), ("shipped_writer_batch", True)):
+        w_store = HostStore(4 * total, alloc=host_buffers_for(dev))
+        w_mgr = TierManager([w_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=2 * total)
+        callers, landed = [], []
+        for _ in range(args.reps + 1):  # the first fills fresh memory (see save_first_s): not counted
+            w_store.clear()
+            if pin:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if one_call:
+                w_mgr.save_many(batch)
+            else:
+                for b in batch:
+                    w_mgr.save(*b)
+            callers.append(time.perf_counter() - t0)
+            assert w_mgr.wait_writes(120)
+            landed.append(time.perf_counter() - t0)
+        assert w_mgr.counters.save_dropped == 0
+        for b in range(n):  # what landed is what the synchronous path saved
+            plan = w_mgr.find(toks[b] + [1], 0, len(toks[b]), 0)
+            assert plan is not None and plan.pos == len(toks[b])
+        t_caller, t_landed = statistics.median(callers[1:]), statistics.median(landed[1:])
+        res[name] = {
+            "caller_s": t_caller,
+            "landed_s": t_landed,
+            "caller_gbps": moved_bytes / t_caller / 1e9,
+            "landed_gbps": moved_bytes / t_landed / 1e9,
+            "write_seconds_in_writer": w_mgr.counters.write_seconds,
+        }
+
+    # sustained: several batches of new boundaries saved back to back (an eviction each), until
+    # all landed: the planning of one batch overlaps the copies of the one before
+    rounds = 3
+    s_store = HostStore((rounds + 1) * total, alloc=host_buffers_for(dev))
+    s_mgr = TierManager([s_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=(rounds + 1) * total)
+    s_toks = [
+        [[(b * 7919 + i + 100_003 * (r + 1)) % 50000 for i in range(per - 7)] for b in range(n)]
+        for r in range(rounds + 1)
+    ]
+    sustained = []
+    for _ in range(2):  # the first pass fills fresh memory; the second is timed
+        s_store.clear()
         if pin:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for b in range(n):
-            w_mgr.save(toks[b], src_kv[b * per : (b + 1) * per], len(toks[b]), slots[b])
-        callers.append(time.perf_counter() - t0)
-        assert w_mgr.wait_writes(120)
-        landed.append(time.perf_counter() - t0)
-    assert w_mgr.counters.save_dropped == 0
-    for b in range(n):  # what landed is what the synchronous path saved
-        plan = w_mgr.find(toks[b] + [1], 0, len(toks[b]), 0)
-        assert plan is not None and plan.pos == len(toks[b])
-    t_caller, t_landed = statistics.median(callers), statistics.median(landed)
-    res["shipped_writer"] = {
-        "caller_s": t_caller,
-        "landed_s": t_landed,
-        "caller_gbps": moved_bytes / t_caller / 1e9,
-        "landed_gbps": moved_bytes / t_landed / 1e9,
-        "write_seconds_in_writer": w_mgr.counters.write_seconds,
+        for r in range(rounds):
+            s_mgr.save_many(
+                [(s_toks[r][b], src_kv[b * per : (b + 1) * per], len(s_toks[r][b]), slots[b], 0) for b in range(n)]
+            )
+        assert s_mgr.wait_writes(120)
+        sustained.append(time.perf_counter() - t0)
+    assert s_mgr.counters.save_dropped == 0 and s_mgr.counters.saves == 2 * rounds * n
+    res["shipped_writer_sustained"] = {
+        "batches": rounds,
+        "landed_s": sustained[-1],
+        "landed_gbps": rounds * moved_bytes / sustained[-1] / 1e9,
     }
 
     # pinned batch: every part into one pinned buffer, non-blocking, one sync per direction
@@ -194,12 +278,24 @@ def main() -> int:
         "save_gbps": total / t_save_b / 1e9,
         "load_gbps": total / t_load_b / 1e9,
     }
+    # the checksum kernel alone, over the same bytes as the objects of a batch (2 MB pieces)
+    from sglang_k3.kernels.tier import device_checksums
+
+    blob = torch.randint(0, 256, (total,), dtype=torch.uint8, device=dev, generator=g)
+    piece = 256 * io.kv_token_bytes
+    offs_c = list(range(0, total, piece))
+    sizes_c = [min(piece, total - o) for o in offs_c]
+    t_sum = _wall(lambda: device_checksums(blob, offs_c, sizes_c)(), args.reps)
+    res["checksum_kernel"] = {"pieces": len(offs_c), "s": t_sum, "gbps": total / t_sum / 1e9}
     link = res["link_gbps"]
     for k in ("shipped", "pinned_batch"):
         res[k]["save_fraction_of_link"] = res[k]["save_gbps"] / link["d2h_pinned"]
         res[k]["load_fraction_of_link"] = res[k]["load_gbps"] / link["h2d_pinned"]
-    w = res["shipped_writer"]
-    w["caller_fraction_of_link"] = w["caller_gbps"] / link["d2h_pinned"]
+    for k in ("shipped_writer", "shipped_writer_batch"):
+        w = res[k]
+        w["caller_fraction_of_link"] = w["caller_gbps"] / link["d2h_pinned"]
+        w["landed_fraction_of_link"] = w["landed_gbps"] / link["d2h_pinned"]
+    w = res["shipped_writer_sustained"]
     w["landed_fraction_of_link"] = w["landed_gbps"] / link["d2h_pinned"]
     res["round_trip_exact"] = bool(ok)
     os.makedirs(args.out, exist_ok=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -50,9 +51,18 @@ DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "tier_host_bytes")
 SPANS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def tail_tokens(span: int, block: int = BLOCK_TOKENS) -> float:
+    """Mean KV tokens a boundary object carries past its last whole block, for states every
+    ``span`` tokens: ``pos mod block`` averaged over the positions. Those tokens' KV is also in
+    the block object a later boundary writes, so k3 holds it twice (0 when ``span`` is a multiple
+    of the block)."""
+    n = block // math.gcd(int(span), block)  # the positions' residues repeat every n states
+    return sum((i * int(span)) % block for i in range(1, n + 1)) / n
+
+
 def per_token(k: int, state: int, span: float, headers: bool) -> float:
     extra = HEADER_BYTES * (1 / BLOCK_TOKENS + 1 / span) if headers else 0.0
-    return k + state / span + extra
+    return k + state / span + extra + k * tail_tokens(int(span)) / span
 
 
 def from_replay(path: str, k: int, s_up: int, s_k3: int, ratio: float) -> list[dict]:

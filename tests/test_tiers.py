@@ -11,13 +11,14 @@ import pytest
 import torch
 from tier_pools import Pools
 
-from sglang_k3.tiers import codec
+from sglang_k3.tiers import codec, manager
 from sglang_k3.tiers.host_store import HostStore
-from sglang_k3.tiers.keys import Namespace, block_hashes, boundary_key, kv_block_key
+from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, block_hashes, boundary_key, boundary_keys, kv_block_key
 from sglang_k3.tiers.manager import TierManager
 
 NS = Namespace(model="m1", tokenizer="t1", layout="L")
 SEED = 1234
+B = 64  # the block geometry these tests are written in (the default, 256: test_the_default_block_...)
 
 
 def test_keys_chain_the_prefix_and_carry_the_namespace():
@@ -29,8 +30,10 @@ def test_keys_chain_the_prefix_and_carry_the_namespace():
     other[3] += 1  # an early token changes every later block's hash
     h2 = block_hashes(other, 300, 64)
     assert all(a != b for a, b in zip(h, h2))
-    assert boundary_key(NS, toks, 200, h) != boundary_key(NS, toks, 201, h)
-    assert boundary_key(NS, toks, 200, h) != boundary_key(NS, other, 200, h2)
+    assert boundary_key(NS, toks, 200, h, 64) != boundary_key(NS, toks, 201, h, 64)
+    assert boundary_key(NS, toks, 200, h, 64) != boundary_key(NS, other, 200, h2, 64)
+    window = list(range(255, 191, -1))  # a lookup's positions inside one block, deepest first
+    assert boundary_keys(NS, toks, window, h, 64) == [boundary_key(NS, toks, q, h, 64) for q in window]
     for changed in (
         Namespace("m2", "t1", "L"),
         Namespace("m1", "t2", "L"),
@@ -38,7 +41,7 @@ def test_keys_chain_the_prefix_and_carry_the_namespace():
         Namespace("m1", "t1", "L", tp_rank=1, tp_size=2),
     ):
         assert kv_block_key(changed, h[0]) != kv_block_key(NS, h[0])
-        assert boundary_key(changed, toks, 200, h) != boundary_key(NS, toks, 200, h)
+        assert boundary_key(changed, toks, 200, h, 64) != boundary_key(NS, toks, 200, h, 64)
 
 
 def test_codec_round_trip_and_every_kind_of_bad_object_is_rejected():
@@ -147,7 +150,7 @@ def _save_path(p: Pools, mgr: TierManager, tokens: list[int], pos: int, active: 
 def test_save_then_load_restores_kv_and_state_byte_for_byte():
     p = Pools(SEED)
     host = HostStore(1 << 24)
-    mgr = TierManager([host], NS, p.io)
+    mgr = TierManager([host], NS, p.io, block=B)
     toks = _tokens(300)
     kv = _save_path(p, mgr, toks, 250, active=2)
     assert mgr.counters.saves == 1 and mgr.counters.saved_kv_blocks == 3  # blocks 0-2, tail 192..250
@@ -168,6 +171,66 @@ def test_save_then_load_restores_kv_and_state_byte_for_byte():
     assert mgr.hits_by_tier["host"] == 1 and mgr.counters.load_kv_tokens == 150
 
 
+def test_the_default_block_is_a_whole_number_of_pages_and_round_trips():
+    """At the default block (256 tokens, a whole number of pages at every page size k3 serves) a
+    boundary at 650 tokens is two block objects and a tail of 138 tokens, and it restores byte for
+    byte onto a device that holds the first 300 tokens (the load starts inside block 1)."""
+    assert BLOCK_TOKENS == 256 and all(BLOCK_TOKENS % page == 0 for page in (1, 16, 32, 64, 128, 256))
+    p = Pools(SEED)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io)
+    toks = _tokens(700)
+    kv = _save_path(p, mgr, toks, 650, active=1)
+    assert mgr.counters.saved_kv_blocks == 2 and len(host) == 3
+    plan = mgr.find(toks + [7], floor=0, cap=700, device_kv=300)
+    assert plan is not None and plan.pos == 650 and plan.kv_from == 300 and len(plan.blocks) == 1
+    new_kv = p.fresh_kv(350)
+    (h,) = p.pool.alloc(1)
+    assert mgr.load(plan, new_kv, h) == 4
+    assert all(torch.equal(layer[new_kv], layer[kv[300:650]]) for layer in p.kv)
+    ref = p.checkpoint(1)
+    assert torch.equal(p.pool.q[h], p.pool.q[ref]) and torch.equal(p.pool.scale[h], p.pool.scale[ref])
+
+
+@pytest.mark.parametrize("write_queue_bytes", [0, 1 << 24])
+@pytest.mark.parametrize("read_group_bytes", [1, 16 << 20])
+def test_a_batch_of_saves_reads_shared_blocks_once_and_each_boundary_restores(
+    write_queue_bytes, read_group_bytes, monkeypatch
+):
+    """An eviction's demotions go down as one batch (one read off the device): boundaries on one
+    path share their blocks, which are read and put once; each boundary then restores byte for
+    byte, as it would have after saves one at a time. Read in one group, or one group per boundary
+    (each group's read starts while the next is planned)."""
+    monkeypatch.setattr(manager, "_READ_GROUP_BYTES", read_group_bytes)
+    p = Pools(SEED, ckpt_slots=16)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, p.io, block=B, write_queue_bytes=write_queue_bytes)
+    toks = _tokens(400)
+    kv = p.fresh_kv(400)
+    other = toks[:100] + _tokens(200, seed=5)  # shares block 0 only
+    kv_other = kv[:100] + p.fresh_kv(200)
+    batch = [
+        (toks, kv, 130, p.checkpoint(0), 4),
+        (toks, kv, 390, p.checkpoint(1), 4),
+        (other, kv_other, 250, p.checkpoint(2), 4),
+    ]
+    assert mgr.save_many(batch) == [True, True, True]
+    assert mgr.wait_writes()
+    # blocks: 0-5 of toks once (the 130-boundary's 0-1 are the 390-boundary's too), 1-2 of other
+    assert mgr.counters.saves == 3 and mgr.counters.saved_kv_blocks == 2 + 4 + 2
+    assert len(host) == 6 + 2 + 3
+    assert mgr.save_many(batch) == [True, True, True] and mgr.counters.save_skips == 3  # held now
+    for (t, k, pos, handle, _), seed in zip(batch, (1, 2, 3)):
+        q = t[:pos] + _tokens(10, seed=seed)
+        plan = mgr.find(q, 0, len(q) - 1, 0)
+        assert plan is not None and plan.pos == pos
+        new_kv = p.fresh_kv(pos)
+        (h,) = p.pool.alloc(1)
+        assert mgr.load(plan, new_kv, h) == 4
+        assert all(torch.equal(layer[new_kv], layer[k[:pos]]) for layer in p.kv)
+        assert torch.equal(p.pool.q[h], p.pool.q[handle]) and torch.equal(p.pool.scale[h], p.pool.scale[handle])
+
+
 @pytest.mark.parametrize("alloc", ["bytearray", "numpy"])
 def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte(alloc):
     """Every object of the second save is built in a buffer the first one left (no byte of the
@@ -175,7 +238,7 @@ def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte(alloc):
     with numpy buffers, the type the pinned allocator of a CUDA server hands out."""
     p = Pools(SEED)
     host = HostStore(1 << 24, alloc=bytearray if alloc == "bytearray" else lambda n: np.empty(n, dtype=np.uint8))
-    mgr = TierManager([host], NS, p.io)
+    mgr = TierManager([host], NS, p.io, block=B)
     first, second = _tokens(300), _tokens(300, seed=SEED + 1)
     _save_path(p, mgr, first, 250, active=1)
     host.clear()
@@ -197,7 +260,7 @@ def test_a_boundary_saved_into_recycled_buffers_restores_byte_for_byte(alloc):
 def test_find_takes_the_deepest_complete_boundary_and_never_half_of_one():
     p = Pools(SEED, ckpt_slots=16)
     host = HostStore(1 << 24)
-    mgr = TierManager([host], NS, p.io)
+    mgr = TierManager([host], NS, p.io, block=B)
     toks = _tokens(400)
     kv = p.fresh_kv(400)
     for pos in (130, 260, 390):
@@ -207,30 +270,41 @@ def test_find_takes_the_deepest_complete_boundary_and_never_half_of_one():
     assert mgr.find(q, 0, 300, 0).pos == 260  # capped
     assert mgr.find(q, 390, len(q) - 1, 0) is None  # the device already restores there
     # a KV block below 390 vanishes from the tier: 390 is no longer complete, 260 still is
-    h = block_hashes(toks, 400)
+    h = block_hashes(toks, 400, B)
     assert host.remove(kv_block_key(NS, h[4]))  # tokens 256..320
     assert mgr.find(q, 0, len(q) - 1, 0).pos == 260
     # ... unless the device holds that KV itself
     assert mgr.find(q, 0, len(q) - 1, 330).pos == 390
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_model"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_model", "state_bit", "kv_block_bit"])
 def test_a_bad_object_is_a_counted_miss_and_nothing_is_written(damage):
+    """The last two flip one payload bit and leave the header intact: only the checksum the IO
+    verifies after the copy up (not the host's header checks) can catch them."""
     p = Pools(SEED)
     host = HostStore(1 << 24)
-    mgr = TierManager([host], NS, p.io)
+    mgr = TierManager([host], NS, p.io, block=B)
     toks = _tokens(200)
     _save_path(p, mgr, toks, 150, active=0)
-    key = boundary_key(NS, toks, 150, block_hashes(toks, 150))
+    key = boundary_key(NS, toks, 150, block_hashes(toks, 150, B), B)
     good = host.get(key)
     host.remove(key)
     if damage == "garbage":
         host.put(key, random.Random(SEED).randbytes(len(good)))
     elif damage == "truncated":
         host.put(key, good[:-100])
+    elif damage in ("state_bit", "kv_block_bit"):
+        bkey = key if damage == "state_bit" else kv_block_key(NS, block_hashes(toks, 150, B)[1])
+        blob = bytearray(good if damage == "state_bit" else host.get(bkey))
+        blob[codec.HEADER_BYTES + 7] ^= 0x10
+        codec.decode(bkey, bytes(blob), p.io.kv_token_bytes, p.io.state_bytes, verify=False)  # header intact
+        host.remove(bkey)
+        host.put(bkey, bytes(blob))
+        if damage == "kv_block_bit":
+            host.put(key, good)
     else:  # a valid object another model wrote, copied under this key
         other = Namespace("another-model", "t1", "L")
-        okey = boundary_key(other, toks, 150, block_hashes(toks, 150))
+        okey = boundary_key(other, toks, 150, block_hashes(toks, 150, B), B)
         obj = codec.decode(key, good, p.io.kv_token_bytes, p.io.state_bytes)
         host.put(key, codec.encode(okey, codec.BOUNDARY, 150, obj.state, obj.kv, obj.kv_tokens))
     q = toks[:160]
@@ -248,7 +322,7 @@ def test_a_bad_object_is_a_counted_miss_and_nothing_is_written(damage):
 def test_a_full_tier_refuses_softly():
     p = Pools(SEED)
     host = HostStore(3000)  # smaller than one boundary
-    mgr = TierManager([host], NS, p.io)
+    mgr = TierManager([host], NS, p.io, block=B)
     toks = _tokens(200)
     _save_path(p, mgr, toks, 150, active=0)
     assert mgr.counters.save_failures == 1 and mgr.counters.saves == 0
@@ -261,9 +335,9 @@ def test_prefetch_copies_a_lower_tiers_boundary_up_to_host_memory():
     prefetch is credited with the time it had."""
     p = Pools(SEED)
     l3 = HostStore(1 << 24, name="l3")
-    TierManager([l3], NS, p.io).save(_tokens(300), p.fresh_kv(300), 250, p.checkpoint(1))
+    TierManager([l3], NS, p.io, block=B).save(_tokens(300), p.fresh_kv(300), 250, p.checkpoint(1))
     host = HostStore(1 << 24)
-    mgr = TierManager([host, l3], NS, p.io)
+    mgr = TierManager([host, l3], NS, p.io, block=B)
     q = _tokens(300)
     assert mgr.prefetch(q, 0, 299, 0)
     assert mgr.wait_prefetches()
@@ -275,7 +349,7 @@ def test_prefetch_copies_a_lower_tiers_boundary_up_to_host_memory():
     assert mgr.load(plan, p.fresh_kv(250), h) is not None
     assert mgr.hits_by_tier == {"host": 1, "l3": 0}
     assert mgr.counters.prefetch_hits == 1 and mgr.counters.prefetch_lead_seconds > 0
-    assert not TierManager([l3], NS, p.io).prefetch(q, 0, 299, 0)  # no host tier above: no prefetch
+    assert not TierManager([l3], NS, p.io, block=B).prefetch(q, 0, 299, 0)  # no host tier above: no prefetch
 
 
 def _one_request(**k3_flags):
@@ -353,7 +427,7 @@ def test_a_queued_write_is_never_found_before_it_lands_and_the_device_may_change
     A, whose put holds the one writer thread, and B's device KV is overwritten meanwhile."""
     p = Pools(SEED, ckpt_slots=16)
     host = _GatedHost(1 << 24)
-    mgr = TierManager([host], NS, p.io, write_queue_bytes=1 << 20)
+    mgr = TierManager([host], NS, p.io, block=B, write_queue_bytes=1 << 20)
     first, toks = _tokens(200, seed=5), _tokens(300)
     kv_a, kv = p.fresh_kv(200), p.fresh_kv(300)
     saved = [layer[kv[:250]].clone() for layer in p.kv]
@@ -382,7 +456,7 @@ def test_a_save_never_waits_for_a_full_write_queue_it_is_dropped_and_counted():
     p = Pools(SEED, ckpt_slots=16)
     host = _GatedHost(1 << 24)
     one = 250 * p.io.kv_token_bytes + p.io.state_bytes
-    mgr = TierManager([host], NS, p.io, write_queue_bytes=one + one // 2)  # room for one boundary
+    mgr = TierManager([host], NS, p.io, block=B, write_queue_bytes=one + one // 2)  # room for one boundary
     toks = _tokens(600)
     kv = p.fresh_kv(600)
     assert mgr.save(toks, kv, 250, p.checkpoint(1))

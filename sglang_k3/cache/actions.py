@@ -112,21 +112,22 @@ class Freed:
 
 
 class ActionExecutor:
-    """Carries out a :class:`Freed`: demotions through ``save`` (None: no lower tier), then the
-    checkpoint handles back to ``free_handles`` and the KV back to ``free_kv``, each in one call."""
+    """Carries out a :class:`Freed`: its demotions through ``save`` in one call (None: no lower
+    tier; one call, so the tier moves them as one batch), then the checkpoint handles back to
+    ``free_handles`` and the KV back to ``free_kv``, each in one call."""
 
     def __init__(
         self,
         free_handles: Callable[[Sequence[int]], None],
         free_kv: Callable[[list[int]], None],
-        save: Optional[Callable[[SaveBoundary], None]] = None,
+        save: Optional[Callable[[list[SaveBoundary]], None]] = None,
     ) -> None:
         self._free_handles, self._free_kv, self._save = free_handles, free_kv, save
 
     def run(self, freed: Freed) -> Freed:
-        if self._save is not None:
-            for a in freed.saves():
-                self._save(a)
+        saves = freed.saves()
+        if self._save is not None and saves:
+            self._save(saves)
         handles = [h for a in freed.actions if isinstance(a, ReleaseCheckpoint) for h in a.handles]
         kv = [i for a in freed.actions if isinstance(a, FreeKV) for i in a.indices]
         if handles:

@@ -108,7 +108,7 @@ class CacheLifecycle(EvictionVerbs):
         tree.capture_evicted = tiers is not None
         if tiers is not None:
             self.bridge = TierBridge(tree, store, tiers, alloc_kv, free_kv, self.insert, park_every)  # type: ignore[arg-type]
-        self.executor = ActionExecutor(store.free, free_kv, self.bridge.save_boundary if self.bridge else None)
+        self.executor = ActionExecutor(store.free, free_kv, self.bridge.save_boundaries if self.bridge else None)
         self.requests: dict[str, RequestRecord] = {}
         self._prune_at = 64
         self._store_scope = 0

@@ -5,8 +5,8 @@ between the device tree and a :class:`~sglang_k3.cache.ports.TierPort`, in one p
   tiers hold past the device's own restore point is brought onto the device (:meth:`promote`):
   its missing KV into fresh KV slots, inserted into the tree, and its state as a ready checkpoint.
   A waiting request that is only looked at starts a copy up to host memory (:meth:`prefetch`).
-* **Down (demotion)**: an evicted boundary arrives as a
-  :class:`~sglang_k3.cache.actions.SaveBoundary` action (:meth:`save_boundary`); the write
+* **Down (demotion)**: an eviction's boundaries arrive as
+  :class:`~sglang_k3.cache.actions.SaveBoundary` actions, one batch (:meth:`save_boundaries`); the write
   policies copy a boundary down when it lands (``write_through``) or at its first hit
   (``write_through_selective``) (:meth:`save`); dense parking saves a prefill's exported states
   every ``park_every`` positions straight below (:meth:`park`).
@@ -80,18 +80,18 @@ class TierBridge:
         if ck.node is None or not ck.matchable:
             return
         tokens, kv = self.tree.path_prefix(ck.node, ck.pos)
-        self._save(tokens, kv, ck.pos, ck.handles[0], int(ck.kind))
+        self._save([(tokens, kv, ck.pos, ck.handles[0], int(ck.kind))])
 
-    def save_boundary(self, action: SaveBoundary) -> None:
-        """Run one demotion of an eviction (the executor calls it before the eviction's frees)."""
-        self._save(action.tokens, action.kv, action.pos, action.handle, action.kind)
+    def save_boundaries(self, actions: Sequence[SaveBoundary]) -> None:
+        """Run an eviction's demotions, as one batch (the executor calls it before the frees)."""
+        self._save([(a.tokens, a.kv, a.pos, a.handle, a.kind) for a in actions])
 
-    def _save(self, tokens, kv, pos: int, handle: int, kind: int) -> None:
+    def _save(self, boundaries: list) -> None:
         try:
-            self.tiers.save(tokens, kv, pos, handle, kind)
+            self.tiers.save_many(boundaries)
         except Exception:  # a tier failing must never take the device cache down with it
             self.counters.tier_errors += 1
-            logger.exception("k3 tier: saving the boundary at %d failed; it is not kept below", pos)
+            logger.exception("k3 tier: saving %d boundaries failed; they are not kept below", len(boundaries))
 
     def park_positions(self, grid: Sequence[int], planned: Sequence[int]) -> list[int]:
         """Of an extend's exported ``grid``, the positions to keep for parking beyond ``planned``."""
@@ -113,7 +113,7 @@ class TierBridge:
             if handle is None:
                 return
             try:
-                self._save(tokens, kv, pos, handle, int(CheckpointKind.CHUNK))
+                self._save([(tokens, kv, pos, handle, int(CheckpointKind.CHUNK))])
                 self.counters.tier_parked += 1
             finally:
                 self.store.free([handle])

@@ -25,11 +25,18 @@ import hashlib
 import os
 from array import array
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from sglang_k3.tiers import codec
 
-BLOCK_TOKENS = 64  # the KDA kernels' state grid, and the tree's checkpoint granularity below it
+# Tokens of KV in one block object. 256: a whole number of pages at every page size k3 serves
+# (1 to 256), and large enough that an object's bookkeeping on the host (keys, header, one copy
+# call: about 15 us) is small beside its time on the link (2 MB at Kimi-Linear-48B sizes: 37 us
+# at 55 GB/s). At 64 tokens an object's bookkeeping took longer than its bytes, and the tier moves
+# were bound by it (benchmarks/GPU_NOTES.md). LMCache's default chunk is 256 tokens too. A boundary
+# object carries the KV past its last whole block, up to 255 tokens.
+BLOCK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
 
-    @property
+    @cached_property  # every key starts with it: hashed once, not once per key
     def prefix(self) -> str:
         raw = f"{self.model}|{self.tokenizer}|{self.layout}|{self.tp_rank}/{self.tp_size}"
         return f"k3t{codec.VERSION}-" + hashlib.sha256(raw.encode()).hexdigest()[:24]
@@ -75,6 +82,29 @@ def boundary_key(
     base = hashes[k - 1] if k else b""
     tail = hashlib.sha256(b"tail" + base + _token_bytes(tokens[k * block : pos])).hexdigest()
     return f"{ns.prefix}:st:{pos}:{tail}"
+
+
+def boundary_keys(
+    ns: Namespace, tokens: Sequence[int], positions: Sequence[int], hashes: Sequence[bytes], block: int = BLOCK_TOKENS
+) -> list[str]:
+    """:func:`boundary_key` of each of ``positions``, all in one block (the same ``p // block``):
+    the block's tokens are hashed once, not once per position (a lookup asks up to a block's
+    worth of positions)."""
+    if not positions:
+        return []
+    k = positions[0] // block
+    if any(p // block != k for p in positions):
+        raise ValueError("boundary_keys takes positions inside one block")
+    h = hashlib.sha256(b"tail" + (hashes[k - 1] if k else b""))
+    keys: dict[int, str] = {}
+    lo = done = k * block
+    raw = memoryview(_token_bytes(tokens[lo : max(positions)]))
+    width = raw.itemsize * 8 if raw.nbytes else 8  # bytes per token (array "q")
+    for p in sorted(positions):
+        h.update(raw[(done - lo) * width : (p - lo) * width])
+        done = p
+        keys[p] = f"{ns.prefix}:st:{p}:{h.copy().hexdigest()}"
+    return [keys[p] for p in positions]
 
 
 def file_fingerprint(directory: str, names: Sequence[str], sample: int = 1 << 20) -> str:

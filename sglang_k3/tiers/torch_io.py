@@ -10,13 +10,20 @@ manager for a running server).
   fp32 scales and the native conv state, so an INT8 checkpoint stays INT8 all the way down. A
   loaded state is written into a fresh slot and sealed (read-only) like a stored one.
 
-Each call moves its bytes once: the device gathers them into one contiguous tensor, then one copy
-per host buffer moves them between that tensor and the tier object's payload, with no staging
-buffer and no host-side copy. On CUDA the host tier's buffers are page-locked
-(:class:`PinnedHostMemory`), so those copies run as DMA; objects that came from Mooncake are
-pageable ``bytes`` and copy at the pageable rate. On CPU each is a memcpy. Calls are synchronous:
-the bytes are in host memory (or on the device) when they return, so a host buffer may be reused
-at once. ``benchmarks/GPU_NOTES.md`` has the rates on an H200.
+**A save** (:meth:`PoolTierIO.read_payloads`) gathers everything it writes (the KV blocks, the
+state, the tail KV) into one contiguous tensor on the device, launches the checksums of all its
+objects over that tensor (:mod:`sglang_k3.kernels.tier`, one kernel), and enqueues one copy per
+object into the objects' payloads; it returns at once, with a callable that waits for the copies
+and gives the checksums (the tier manager's writer thread calls it, so the scheduler's thread
+never waits for the link). The copies are stream-ordered after the gather, so the device memory
+may be freed and reused as soon as the call returns. **A load** (:meth:`PoolTierIO.upload`)
+copies the objects' payloads up into one tensor, checks every checksum on the device, and only
+then are the KV and the state written into the pools (:meth:`write_kv`, :meth:`write_state`).
+
+On CUDA the host tier's buffers are page-locked (:class:`PinnedHostMemory`), so the copies are
+asynchronous DMA; objects that came from Mooncake are pageable ``bytes`` and copy at the pageable
+rate. On CPU each copy is a memcpy and the checksums run on the host (the numpy reference), when
+the callable is called. ``benchmarks/GPU_NOTES.md`` has the rates on an H100 and an H200.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ import math
 import mmap
 import warnings
 import weakref
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
+
+from sglang_k3.kernels.tier import device_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +47,36 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+# Stored objects are ``bytes`` (read-only): torch warns that writing through a tensor over one is
+# undefined; this module only reads them. Filtered once here: a ``catch_warnings`` around each
+# ``frombuffer`` cost more than the call itself (2 us, a few hundred times per boundary).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
 def _host(buf) -> torch.Tensor:
-    """A uint8 tensor over a host buffer, no copy. Stored objects are ``bytes`` (read-only):
-    torch warns that writing through such a tensor is undefined; this code only reads them."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(buf, dtype=torch.uint8)
+    """A uint8 tensor over a host buffer, no copy."""
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def _to_host(src: torch.Tensor, outs: Sequence[memoryview]) -> None:
-    """``src`` (uint8, any device) into ``outs``, consecutive pieces of it."""
-    total = sum(len(o) for o in outs)
-    if total != src.numel():
-        raise ValueError(f"{src.numel()} bytes to write into {total}")
-    off = 0
-    for o in outs:
-        if len(o):
-            _host(o).copy_(src[off : off + len(o)])
-            off += len(o)
+def _copy_pieces(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i] <- src[i]``, between the host and the device, asynchronous where the host side
+    is page-locked: one call for every piece (torch loops in C++; a Python loop of ``copy_`` cost
+    about as much per 516 KB KV block as the link itself)."""
+    pairs = [(d, s) for d, s in zip(dst, src) if s.numel()]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+
+
+def _nbytes(p) -> int:
+    return p.numel() if isinstance(p, torch.Tensor) else memoryview(p).nbytes
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, off = [], 0
+    for n in sizes:
+        out.append(off)
+        off += n
+    return out
 
 
 class PinnedHostMemory:
@@ -101,14 +122,14 @@ def _view(flat: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch
 
 
 def _to_device(parts: Sequence, device: torch.device) -> torch.Tensor:
-    """The concatenation of the host buffers ``parts`` as one uint8 tensor on ``device``."""
-    sizes = [memoryview(p).nbytes for p in parts]
+    """The concatenation of ``parts`` (host buffers, or uint8 tensors on ``device``) as one uint8
+    tensor on ``device``. Copies from page-locked host buffers are asynchronous (stream-ordered
+    before whatever reads the result)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    sizes = [_nbytes(p) for p in parts]
     out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    off = 0
-    for p, n in zip(parts, sizes):
-        if n:
-            out[off : off + n].copy_(_host(p))
-            off += n
+    _copy_pieces(out.split(sizes), [p if isinstance(p, torch.Tensor) else _host(p) for p in parts])
     return out
 
 
@@ -125,6 +146,7 @@ class PoolTierIO:
         self.device = first.device
         self.kv_token_bytes = len(self.kv) * math.prod(self.kv_token_shape) * first.element_size()
         self.pool = checkpoint_pool
+        self._side = None  # CUDA: the streams a save's checksums and copies run on
         self.state_bytes = int(checkpoint_pool.bytes_per_slot)
         q = checkpoint_pool.q
         self._parts = [
@@ -135,15 +157,79 @@ class PoolTierIO:
             f"state={';'.join(f'{d}{s}' for d, s in self._parts)}"
         )
 
-    def _index(self, indices: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(indices), dtype=torch.int64, device=self.device)
+    def _streams(self) -> tuple:
+        """CUDA: the streams a save's checksums and its copies down run on."""
+        if self._side is None:
+            self._side = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._side
 
-    def read_kv(self, indices: Sequence[int], outs: Sequence[memoryview]) -> None:
-        if len(indices) == 0:
-            _to_host(torch.empty(0, dtype=torch.uint8), outs)
-            return
-        idx = self._index(indices)
-        _to_host(_flat_bytes(torch.stack([b.index_select(0, idx) for b in self.kv], dim=1)), outs)
+    def _index(self, indices: Sequence[int]) -> torch.Tensor:
+        """``indices`` on the device. Via numpy (``torch.tensor`` of a list costs 60 ns a token)
+        and page-locked memory: a copy up from pageable memory first waits for the stream, so
+        each save would wait for the previous save's copies to land."""
+        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        if self.device.type != "cuda":
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
+    def read_payloads(self, parts: Sequence[tuple], outs: Sequence):
+        """Copy the bytes of ``parts`` off the device into ``outs``, consecutive pieces of them,
+        one tier object's payload each. ``parts``, in byte order: ``("kv", token indices)`` (KV,
+        token-major) and ``("state", handle)`` (a checkpoint's parts). Returns a callable that
+        waits until the bytes are in ``outs`` and gives each piece's ``k3sum64``."""
+        kv_parts = [np.asarray(x, dtype=np.int64) for kind, x in parts if kind == "kv"]
+        rows = np.concatenate(kv_parts) if kv_parts else np.zeros(0, dtype=np.int64)
+        kv = torch.empty(0, dtype=torch.uint8, device=self.device)
+        if rows.size:
+            idx = self._index(rows)
+            kv = _flat_bytes(torch.stack([b.index_select(0, idx) for b in self.kv], dim=1))
+        pieces, off, tb = [], 0, self.kv_token_bytes
+        for kind, x in parts:
+            if kind == "kv":
+                pieces.append(kv[off : off + len(x) * tb])
+                off += len(x) * tb
+            elif kind == "state":
+                pieces.extend(_flat_bytes(p) for p in self.pool.slot_parts(x))
+            else:
+                raise ValueError(f"unknown part {kind!r}")
+        src = torch.cat(pieces) if pieces else kv
+        sizes = [memoryview(o).nbytes for o in outs]
+        if sum(sizes) != src.numel():
+            raise ValueError(f"{src.numel()} bytes to write into {sum(sizes)}")
+        if not src.is_cuda:
+            _copy_pieces([_host(o) for o in outs], src.split(sizes))
+            return device_checksums(src, _offsets(sizes), sizes)
+        # The checksums and the copies down run on streams of their own, after the gather: the
+        # caller's stream (the forward's) never queues behind the link, and the next read's
+        # gather does not wait for this one's copies.
+        gathered = torch.cuda.Event()
+        gathered.record()
+        side, copy = self._streams()
+        with torch.cuda.stream(side):
+            checks = device_checksums(src, _offsets(sizes), sizes, after=gathered)
+        with torch.cuda.stream(copy):
+            copy.wait_event(gathered)
+            _copy_pieces([_host(o) for o in outs], src.split(sizes))
+            landed = torch.cuda.Event()
+            landed.record(copy)
+        src.record_stream(side)
+        src.record_stream(copy)
+
+        def wait() -> list[int]:
+            landed.synchronize()
+            return checks()
+
+        return wait
+
+    def upload(self, payloads: Sequence, checks: Sequence[int]) -> Optional[list[torch.Tensor]]:
+        """The objects' ``payloads`` copied up into one device tensor, each checked against its
+        ``checks`` on the device: the views of each, or None when one fails (nothing written)."""
+        sizes = [memoryview(p).nbytes for p in payloads]
+        offsets = _offsets(sizes)
+        data = _to_device(payloads, self.device)
+        if device_checksums(data, offsets, sizes)() != list(checks):
+            return None
+        return [data[off : off + n] for off, n in zip(offsets, sizes)]
 
     def write_kv(self, indices: Sequence[int], parts: Sequence) -> None:
         n = len(indices)
@@ -158,13 +244,10 @@ class PoolTierIO:
             buf.index_copy_(0, idx, t[:, layer])
 
     def read_state(self, handle: int, out: memoryview) -> None:
+        """The checkpoint in ``handle`` (``state_bytes``) into ``out``, synchronously."""
         if len(out) != self.state_bytes:
             raise ValueError(f"{len(out)} bytes for a checkpoint of {self.state_bytes}")
-        off = 0
-        for part in self.pool.slot_parts(handle):
-            flat = _flat_bytes(part)
-            _to_host(flat, [out[off : off + flat.numel()]])
-            off += flat.numel()
+        self.read_payloads([("state", handle)], [out])()
 
     def write_state(self, handle: int, data) -> bool:
         if len(data) != self.state_bytes:
