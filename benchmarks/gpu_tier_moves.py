@@ -34,6 +34,7 @@ Every round trip is checked byte for byte. Writes DIR/gpu_tier_moves.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -90,9 +91,42 @@ def _profile(fns: dict, out: str) -> None:
             f.write(buf.getvalue())
 
 
+def plot(res: dict, path: str) -> None:
+    """The fractions of the link each path reached, one bar each (``--plot DIR`` redraws it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [
+        ("shipped save", res["shipped"]["save_fraction_of_link"]),
+        ("shipped load", res["shipped"]["load_fraction_of_link"]),
+        ("writer, a call\na boundary", res["shipped_writer"]["landed_fraction_of_link"]),
+        ("writer, one\nbatch", res["shipped_writer_batch"]["landed_fraction_of_link"]),
+        ("writer, batches\nback to back", res["shipped_writer_sustained"]["landed_fraction_of_link"]),
+        ("one pinned copy\n(reference)", res["pinned_batch"]["save_fraction_of_link"]),
+    ]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.bar(range(len(bars)), [b for _, b in bars], color=["C0"] * 5 + ["gray"])
+    ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=8)
+    ax.axhline(0.8, color="black", lw=0.8, ls=":", label="target 0.8")
+    ax.set_ylabel("fraction of the pinned link")
+    b = res["batch"]
+    ax.set_title(
+        f"{res['device']}: {b['checkpoints']} int8 checkpoints + {b['kv_tokens']:,} KV tokens "
+        f"({(b['state_bytes'] + b['kv_bytes']) / 1e6:.0f} MB)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--plot", action="store_true", help="only redraw OUT/gpu_tier_moves.png from its JSON")
     ap.add_argument("--checkpoints", type=int, default=8, help="checkpoints per batch")
     ap.add_argument("--kv-tokens", type=int, default=16384, help="MLA KV tokens per batch")
     ap.add_argument("--reps", type=int, default=5)
@@ -103,6 +137,10 @@ def main() -> int:
     )
     ap.add_argument("--cpu-smoke", action="store_true", help="run on CPU (checks the script, measures nothing useful)")
     args = ap.parse_args()
+    if args.plot:
+        with open(os.path.join(args.out, "gpu_tier_moves.json")) as f:
+            plot(json.load(f), os.path.join(args.out, "gpu_tier_moves.png"))
+        return 0
     if not torch.cuda.is_available() and not args.cpu_smoke:
         raise SystemExit("needs a CUDA device")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -301,6 +339,8 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_tier_moves.json"), "w") as f:
         json.dump(res, f, indent=1)
+    with contextlib.suppress(ImportError):  # no matplotlib where it ran: --plot redraws it from the JSON
+        plot(res, os.path.join(args.out, "gpu_tier_moves.png"))
     print(json.dumps(res, indent=1))
     return 0 if ok else 1
 
