@@ -280,7 +280,8 @@ class CheckpointPool:
         dst = [t[s] for t in (self.q, self.scale, self.conv) if t is not None]
         if len(parts) != len(dst) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(parts, dst)):
             raise CheckpointError("checkpoint parts do not match this pool's format")
-        if any(p.is_floating_point() and not bool(torch.isfinite(p).all()) for p in parts):
+        floats = [torch.isfinite(p).all() for p in parts if p.is_floating_point()]
+        if floats and not bool(torch.stack(floats).all()):  # one wait for all the parts
             return False
         for d, p in zip(dst, parts):
             d.copy_(p, non_blocking=False)

@@ -31,7 +31,7 @@ store, so a boundary whose write has not landed is never matched from a lower ti
 waits: when the writes in flight already hold ``write_queue_bytes``, it is dropped and counted
 (``tier_save_dropped``); the device's copy was going anyway. A load copies every part up and
 verifies its checksum on the device before it writes a byte
-(:meth:`~sglang_k3.tiers.ports.TierIO.upload`).
+(:meth:`~sglang_k3.tiers.ports.TierIO.load_payloads`).
 
 The bytes are moved by a :class:`~sglang_k3.tiers.ports.TierIO` the host provides
 (:mod:`sglang_k3.tiers.torch_io` for SGLang's pools): KV is read and written token-major,
@@ -430,22 +430,25 @@ class TierManager:
         if obj is None or obj.kind != codec.BOUNDARY or obj.pos != plan.pos:
             return None
         objs.append(obj)
-        up = self.io.upload([o.payload for o in objs], [o.check for o in objs])
-        if up is None:
-            self.counters.invalid_objects += 1
-            logger.warning("k3 tier %s: boundary %s failed its checksum; treated as a miss", plan.store.name, plan.key)
-            return None
         # the KV past kv_from: the blocks' (the first may start on the device), then the tail's
-        sb = obj.state_bytes
-        parts = [p[max(0, plan.kv_from - j * B) * tb :] for (j, _, _), p in zip(plan.blocks, up)]
-        parts.append(up[-1][sb + max(0, plan.kv_from - (plan.pos - obj.kv_tokens)) * tb :])
-        if sum(len(p) for p in parts) != len(new_kv) * tb:
+        sb, last = obj.state_bytes, len(objs) - 1
+        spans = [
+            (i, min(len(o.payload), max(0, plan.kv_from - j * B) * tb), len(o.payload))
+            for i, ((j, _, _), o) in enumerate(zip(plan.blocks, objs))
+        ]
+        spans.append((last, sb + max(0, plan.kv_from - (plan.pos - obj.kv_tokens)) * tb, len(obj.payload)))
+        if sum(b - a for _, a, b in spans) != len(new_kv) * tb:
             self.counters.incomplete += 1
             return None
-        if new_kv:
-            self.io.write_kv(new_kv, parts)
-        if not self.io.write_state(handle, up[-1][:sb]):
+        wrote = self.io.load_payloads(
+            [o.payload for o in objs], [o.check for o in objs], spans, new_kv, (last, 0, sb), handle
+        )
+        if not wrote:
             self.counters.invalid_objects += 1
+            if wrote is None:
+                logger.warning(
+                    "k3 tier %s: boundary %s failed its checksum; treated as a miss", plan.store.name, plan.key
+                )
             return None
         nbytes = sum(len(o.payload) for o in objs)
         c = self.counters

@@ -38,15 +38,19 @@ class TierIO(Protocol):
         object's payload each). The device data may be freed once this returns. The callable
         waits until the bytes are in ``outs`` and gives each piece's checksum (``k3sum64``)."""
 
-    def upload(self, payloads: Sequence[codec.Bytes], checks: Sequence[int]) -> Optional[list]:
-        """The payloads on the device, each verified against its checksum there, or None when
-        one fails. What it returns is what :meth:`write_kv` and :meth:`write_state` take."""
-
-    def write_kv(self, indices: Sequence[int], parts: Sequence) -> None:
-        """The KV of ``indices`` is the concatenation of ``parts`` (pieces of :meth:`upload`'s)."""
-
-    def write_state(self, handle: int, data) -> bool:
-        """Load ``data`` into the checkpoint slot ``handle``; False when the pool refuses it."""
+    def load_payloads(
+        self,
+        payloads: Sequence[codec.Bytes],
+        checks: Sequence[int],
+        kv_spans: Sequence[tuple[int, int, int]],
+        new_kv: Sequence[int],
+        state_span: tuple[int, int, int],
+        handle: int,
+    ) -> Optional[bool]:
+        """Verify each payload against its checksum on the device, then write the KV of
+        ``new_kv`` (the ``(payload, start, end)`` byte spans ``kv_spans``, in order) and the state
+        (``state_span``) into fresh slot ``handle``. None: a checksum failed and nothing was
+        written; False: the pool refused the state."""
 
 
 @dataclass

@@ -16,9 +16,9 @@ objects over that tensor (:mod:`sglang_k3.kernels.tier`, one kernel), and enqueu
 object into the objects' payloads; it returns at once, with a callable that waits for the copies
 and gives the checksums (the tier manager's writer thread calls it, so the scheduler's thread
 never waits for the link). The copies are stream-ordered after the gather, so the device memory
-may be freed and reused as soon as the call returns. **A load** (:meth:`PoolTierIO.upload`)
+may be freed and reused as soon as the call returns. **A load** (:meth:`PoolTierIO.load_payloads`)
 copies the objects' payloads up into one tensor, checks every checksum on the device, and only
-then are the KV and the state written into the pools (:meth:`write_kv`, :meth:`write_state`).
+then writes the KV and the state into the pools, one wait for all of it.
 
 On CUDA the host tier's buffers are page-locked (:class:`PinnedHostMemory`), so the copies are
 asynchronous DMA; objects that came from Mooncake are pageable ``bytes`` and copy at the pageable
@@ -221,25 +221,39 @@ class PoolTierIO:
 
         return wait
 
-    def upload(self, payloads: Sequence, checks: Sequence[int]) -> Optional[list[torch.Tensor]]:
-        """The objects' ``payloads`` copied up into one device tensor, each checked against its
-        ``checks`` on the device: the views of each, or None when one fails (nothing written)."""
+    def load_payloads(
+        self,
+        payloads: Sequence,
+        checks: Sequence[int],
+        kv_spans: Sequence[tuple[int, int, int]],
+        new_kv: Sequence[int],
+        state_span: tuple[int, int, int],
+        handle: int,
+    ) -> Optional[bool]:
+        """Copy the objects' ``payloads`` up into one device tensor, verify each against its
+        ``checks`` there, and only then write the KV of ``new_kv`` (the concatenation of the
+        ``(payload, start, end)`` byte spans ``kv_spans``) and the state (``state_span``) into
+        fresh slot ``handle``. None: a checksum failed, nothing was written; False: the pool
+        refused the state (non-finite). While the copies run the host prepares the checksum
+        launch and the KV index, so one wait covers them all."""
         sizes = [memoryview(p).nbytes for p in payloads]
         offsets = _offsets(sizes)
-        data = _to_device(payloads, self.device)
-        if device_checksums(data, offsets, sizes)() != list(checks):
+        data = _to_device(payloads, self.device)  # asynchronous from page-locked host buffers
+        pending = device_checksums(data, offsets, sizes)  # after the copies, in stream order
+        idx = self._index(new_kv) if len(new_kv) else None
+        if pending() != list(checks):
             return None
-        return [data[off : off + n] for off, n in zip(offsets, sizes)]
+        if idx is not None:
+            kv = [data[offsets[i] + a : offsets[i] + b] for i, a, b in kv_spans]
+            self._scatter_kv(idx, len(new_kv), kv)
+        i, a, b = state_span
+        return self.write_state(handle, data[offsets[i] + a : offsets[i] + b])
 
-    def write_kv(self, indices: Sequence[int], parts: Sequence) -> None:
-        n = len(indices)
+    def _scatter_kv(self, idx: torch.Tensor, n: int, parts: Sequence) -> None:
         data = _to_device(parts, self.device)
         if data.numel() != n * self.kv_token_bytes:
             raise ValueError(f"{data.numel()} KV bytes for {n} tokens of {self.kv_token_bytes}")
-        if n == 0:
-            return
         t = _view(data, self.kv_dtype, (n, len(self.kv), *self.kv_token_shape))
-        idx = self._index(indices)
         for layer, buf in enumerate(self.kv):
             buf.index_copy_(0, idx, t[:, layer])
 
@@ -250,6 +264,8 @@ class PoolTierIO:
         self.read_payloads([("state", handle)], [out])()
 
     def write_state(self, handle: int, data) -> bool:
+        """``data`` (``state_bytes``, host bytes or a device tensor) into fresh slot ``handle``,
+        sealed; False when the pool refuses it."""
         if len(data) != self.state_bytes:
             raise ValueError(f"{len(data)} state bytes, a checkpoint here is {self.state_bytes}")
         flat = _to_device([data], self.device)
