@@ -467,3 +467,21 @@ def test_a_save_never_waits_for_a_full_write_queue_it_is_dropped_and_counted():
     assert mgr.counters.saves == 1 and mgr.holds(toks, 250) and not mgr.holds(toks[300:], 250)
     assert mgr.save(toks[300:], kv[300:], 250, p.checkpoint(2)) and mgr.wait_writes()  # room again
     assert mgr.counters.saves == 2
+
+
+def test_a_batch_counts_its_own_bytes_against_the_write_queue():
+    """Within one ``save_many`` the boundaries planned before count against the queue too: with
+    room for one boundary, a batch of three queues the first and drops the other two (each
+    counted), and what was dropped can be saved once the queue has drained."""
+    p = Pools(SEED, ckpt_slots=16)
+    host = _GatedHost(1 << 24)
+    one = 250 * p.io.kv_token_bytes + p.io.state_bytes
+    mgr = TierManager([host], NS, p.io, block=B, write_queue_bytes=one + one // 2)
+    paths = [(_tokens(300, seed=s), p.fresh_kv(300)) for s in (11, 12, 13)]
+    batch = [(t, k, 250, p.checkpoint(i), 0) for i, (t, k) in enumerate(paths)]
+    assert mgr.save_many(batch) == [True, False, False]
+    assert mgr.counters.save_dropped == 2 and mgr.counters.writes_queued == 1
+    host.gate.set()
+    assert mgr.wait_writes()
+    assert [mgr.holds(t, 250) for t, _ in paths] == [True, False, False]
+    assert mgr.save_many(batch[1:2]) == [True] and mgr.wait_writes() and mgr.holds(paths[1][0], 250)
