@@ -62,15 +62,12 @@ _INTERP = textwrap.dedent(
     offs = [0, 5, 70_001, 70_001, 100_003, 199_999]
     sizes = [5, 69_996, 0, 30_002, 65_540, 1]
     chunk = 4096  # words: the large pieces span several programs
-    nb = np.asarray(sizes)
-    per = np.maximum(((nb + 3) // 4 + chunk - 1) // chunk, 1)
-    piece = np.repeat(np.arange(len(offs)), per)
-    j0 = (np.arange(piece.size) - np.repeat(np.cumsum(per) - per, per)) * chunk
-    table = torch.from_numpy(np.concatenate([np.asarray(offs)[piece] + 4 * j0, j0, nb[piece] - 4 * j0]))
-    out = torch.empty(piece.size, dtype=torch.int64)
-    tk._k3sum_chunks[(piece.size,)](torch.from_numpy(data), table, out, piece.size, CHUNK_W=chunk, BLOCK_W=1024)
-    sums = np.add.reduceat(out.numpy().view(np.uint64), np.cumsum(per) - per)
-    got = [finish(int(s), int(n)) if n else 0 for s, n in zip(sums, nb)]
+    table, starts = tk.chunk_table(offs, sizes, chunk)
+    n = table.size // 3
+    out = torch.empty(n, dtype=torch.int64)
+    tk._k3sum_chunks[(n,)](torch.from_numpy(data), torch.from_numpy(table), out, n, CHUNK_W=chunk, BLOCK_W=1024)
+    sums = np.add.reduceat(out.numpy().view(np.uint64), starts)
+    got = [finish(int(s), int(n)) for s, n in zip(sums, sizes)]
     want = [k3sum64(data[o : o + n].tobytes()) for o, n in zip(offs, sizes)]
     assert got == want, (got, want)
     print("INTERP_OK")

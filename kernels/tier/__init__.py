@@ -24,8 +24,6 @@ def device_checksums(src, offsets: Sequence[int], sizes: Sequence[int], after=No
     current stream (after the CUDA event ``after``, if given), and the callable synchronizes
     only on its small result. Elsewhere the reference runs when the callable is called (so a
     writer thread, not the caller, pays it)."""
-    import torch
-
     if src.is_cuda:
         from . import triton_kernels
 
@@ -36,5 +34,4 @@ def device_checksums(src, offsets: Sequence[int], sizes: Sequence[int], after=No
         arr = host.numpy()
         return [k3sum64(memoryview(arr[o : o + n])) for o, n in zip(offsets, sizes)]
 
-    del torch
     return result

@@ -51,6 +51,20 @@ def _k3sum_chunks(src_ptr, table_ptr, out_ptr, n_chunks, CHUNK_W: tl.constexpr, 
 assert (C1, C2) == (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # the constants written in the kernel
 
 
+def chunk_table(offsets: Sequence[int], sizes: Sequence[int], chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's table for the pieces ``(offset, size)``: for each chunk of ``chunk`` words,
+    its byte offset, the index of its first word in its piece and the piece's bytes from there
+    (three int64 rows, concatenated); and the index of each piece's first chunk (every piece has
+    one, an empty piece an empty one), for adding the chunk sums per piece."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    nbytes = np.asarray(sizes, dtype=np.int64)
+    per = np.maximum(((nbytes + 3) // 4 + chunk - 1) // chunk, 1)
+    starts = np.cumsum(per) - per
+    piece = np.repeat(np.arange(offs.size), per)
+    j0 = (np.arange(piece.size) - np.repeat(starts, per)) * chunk
+    return np.concatenate([offs[piece] + 4 * j0, j0, nbytes[piece] - 4 * j0]), starts
+
+
 def k3sum64_pieces(src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], after=None):
     """Launch the checksums of ``src[off : off + n]`` (``src`` 1-D uint8 on CUDA) on the current
     stream, after the event ``after`` if given (the table of chunks goes up before that wait, so
@@ -60,17 +74,11 @@ def k3sum64_pieces(src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
     is a ``cudaHostAlloc``."""
     if src.dtype != torch.uint8 or src.dim() != 1:
         raise ValueError("k3sum64 runs over a 1-D uint8 tensor")
-    offs = np.asarray(offsets, dtype=np.int64)
     nbytes = np.asarray(sizes, dtype=np.int64)
-    if offs.size and (offs.min() < 0 or (offs + nbytes).max() > src.numel()):
+    if len(offsets) and (min(offsets) < 0 or (np.asarray(offsets) + nbytes).max() > src.numel()):
         raise ValueError("a piece lies outside the tensor")
-    words = (nbytes + 3) // 4
-    per = np.maximum((words + CHUNK - 1) // CHUNK, 1)  # an empty piece still has one (empty) chunk
-    piece = np.repeat(np.arange(offs.size), per)
-    k = np.arange(piece.size) - np.repeat(np.cumsum(per) - per, per)  # chunk index in its piece
-    j0 = k * CHUNK
-    table = np.concatenate([offs[piece] + 4 * j0, j0, nbytes[piece] - 4 * j0])
-    n_chunks = int(piece.size)
+    table, starts = chunk_table(offsets, sizes)
+    n_chunks = table.size // 3
     out = torch.empty(n_chunks, dtype=torch.int64, device=src.device)  # every program writes its own
     stream = torch.cuda.current_stream()
     if n_chunks:
@@ -80,7 +88,6 @@ def k3sum64_pieces(src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
         _k3sum_chunks[(n_chunks,)](src, tab, out, n_chunks, CHUNK_W=CHUNK, BLOCK_W=BLOCK)
     done = torch.cuda.Event()
     done.record(stream)
-    starts = np.cumsum(per) - per
 
     def result() -> list[int]:
         done.synchronize()

@@ -77,19 +77,17 @@ def boundary_key(
     ns: Namespace, tokens: Sequence[int], pos: int, hashes: Sequence[bytes], block: int = BLOCK_TOKENS
 ) -> str:
     """Key of the boundary after ``pos`` tokens; ``hashes`` are :func:`block_hashes` of the
-    same tokens, covering at least the whole blocks below ``pos``."""
-    k = pos // block
-    base = hashes[k - 1] if k else b""
-    tail = hashlib.sha256(b"tail" + base + _token_bytes(tokens[k * block : pos])).hexdigest()
-    return f"{ns.prefix}:st:{pos}:{tail}"
+    same tokens, covering at least the whole blocks below ``pos``: the chained hash of the last
+    whole block extended by the tokens past it (:func:`boundary_keys` of one position)."""
+    return boundary_keys(ns, tokens, [pos], hashes, block)[0]
 
 
 def boundary_keys(
     ns: Namespace, tokens: Sequence[int], positions: Sequence[int], hashes: Sequence[bytes], block: int = BLOCK_TOKENS
 ) -> list[str]:
-    """:func:`boundary_key` of each of ``positions``, all in one block (the same ``p // block``):
-    the block's tokens are hashed once, not once per position (a lookup asks up to a block's
-    worth of positions)."""
+    """The boundary keys of ``positions``, all in one block (the same ``p // block``): the
+    block's tokens are hashed once, not once per position (a lookup asks up to a block's worth
+    of positions)."""
     if not positions:
         return []
     k = positions[0] // block
@@ -99,9 +97,8 @@ def boundary_keys(
     keys: dict[int, str] = {}
     lo = done = k * block
     raw = memoryview(_token_bytes(tokens[lo : max(positions)]))
-    width = raw.itemsize * 8 if raw.nbytes else 8  # bytes per token (array "q")
     for p in sorted(positions):
-        h.update(raw[(done - lo) * width : (p - lo) * width])
+        h.update(raw[(done - lo) * 8 : (p - lo) * 8])  # 8 bytes a token (array "q")
         done = p
         keys[p] = f"{ns.prefix}:st:{p}:{h.copy().hexdigest()}"
     return [keys[p] for p in positions]
