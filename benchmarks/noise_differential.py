@@ -39,8 +39,15 @@ floor's (one-sided Mann-Whitney U, p < ``MW_ALPHA``) is reported beside it. Gree
 whole reply are also sorted by the reference's top-2 margin (:func:`benchmarks.checkpoint_flips.aggregate`), so a
 quantized checkpoint's excess over the floor shows per margin bucket.
 
+4. States (unless ``--no-states``): every state a k3 candidate restored is compared with the state the
+   reference computes for the same tokens, against the same two noises measured on states plus what
+   the checkpoint codec loses by design (:mod:`benchmarks.live.state_probe`). On a GPU in bf16 the
+   first-token drift could not tell a negated state from noise (benchmarks/GPU_NOTES.md, fifth
+   session); the states are the check for that.
+
 Writes ``OUT/results.json`` and ``OUT/noise_differential.png``. Exit status: 0 ok; 1 a server failed;
-3 finished, but an fp32 candidate was not within the floor, or ``--corrupt`` was not flagged.
+3 finished, but an fp32 candidate was not within the floor (tokens or states), or ``--corrupt`` was
+flagged at neither level.
 """
 
 from __future__ import annotations
@@ -61,11 +68,12 @@ if REPO not in sys.path:  # run as a file too
     sys.path.insert(0, REPO)
 
 from benchmarks import checkpoint_flips as cf  # noqa: E402
+from benchmarks.live import state_probe as sp  # noqa: E402
 from benchmarks.live.client import percentile  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "benchmarks", "results", "noise_differential")
 DEFAULT_LOGS = os.path.join(REPO, "benchmarks", "results", "tmp", "noise_differential_logs")
-FAULTS_DIR = os.path.join(REPO, "tests", "faults")
+FAULTS_DIR = sp.FAULTS_DIR
 CANDIDATES = ("fp32", "int8", "bf16", "upstream")
 SPLIT, BATCH = "split floor", "batch floor"
 # A restored request is flagged when it drifts more than FLAG_FACTOR times the largest floor of the
@@ -242,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
         "Triton kernels, compiled per shape as it meets them, are then in the on-disk cache for the others "
         "(all at once, each server compiled them itself, 1-8 s per kernel on the H200)",
     )
+    g.add_argument(
+        "--no-states",
+        action="store_true",
+        help="judge tokens only: do not load the state probes (tests/faults/sitecustomize.py) into the servers "
+        "or compare restored states with the reference's (they need the reference and split servers started here)",
+    )
+    g.add_argument(
+        "--keep-states",
+        action="store_true",
+        help="keep the probed state files (LOG_DIR/states/SERVER/*.pt, megabytes each on a real model); "
+        "by default they are deleted once judged, their distances being in results.json",
+    )
     g.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for /health (default 900)")
     g.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     g.add_argument("--log-dir", default=DEFAULT_LOGS, help=f"server logs (default {DEFAULT_LOGS}, git-ignored)")
@@ -279,8 +299,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--url takes NAME=URL with NAME reference, split or one of --candidates, got {spec!r}")
         urls[name] = url.rstrip("/")
     args.urls = urls
-    if args.corrupt and not os.path.isfile(os.path.join(FAULTS_DIR, "sitecustomize.py")):
+    if args.corrupt and not sp.available():
         p.error(f"--corrupt needs {FAULTS_DIR}/sitecustomize.py (a source checkout)")
+    args.states_skipped = None
+    if args.no_states:
+        args.states_skipped = "--no-states"
+    elif not sp.available():
+        args.states_skipped = f"no {FAULTS_DIR}/sitecustomize.py (a source checkout has it)"
+    elif {"reference", "split"} & set(urls):
+        args.states_skipped = "the reference or split server was given by --url (its states cannot be read)"
     return args
 
 
@@ -304,7 +331,21 @@ def server_specs(args) -> dict:
         path = FAULTS_DIR + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
         env = {"PYTHONPATH": path, "SGLANG_K3_TEST_CORRUPT_RESTORE": "1"}
         specs[corrupt_name(args)] = (["--k3-checkpoint-dtype", args.corrupt, *k3], env)
+    if not args.states_skipped:
+        root = os.path.join(args.log_dir, "states")
+        for n, (extra, env) in list(specs.items()):
+            if n != "upstream" and n not in args.urls:
+                specs[n] = (extra, sp.server_env(root, n, env))
     return specs
+
+
+def state_dir(specs: dict, name: str):
+    env = specs.get(name, (None, None))[1] or {}
+    return env.get(sp.STATE_DIR_ENV)
+
+
+def candidate_dtype(args, name: str) -> str:
+    return args.corrupt if name == corrupt_name(args) else name
 
 
 # ----------------------------------------------------------------------------- run
@@ -328,7 +369,15 @@ def condition(name: str, items: list, ref: dict, ref_top: dict, got: dict, got_t
             exposed=True if floor else restored,
         )
         comps.append(c)
-        drifts.append({"key": k, "kind": it["kind"], "restored": restored, "drift": drift(ref_top[k], got_top[k])})
+        drifts.append(
+            {
+                "key": k,
+                "kind": it["kind"],
+                "restored": restored,
+                "cached_tokens": got[k]["cached_tokens"],
+                "drift": drift(ref_top[k], got_top[k]),
+            }
+        )
     agg = cf.aggregate(comps, edges)
     for a in ("abs_logprob_diffs", "abs_margin_shifts"):
         agg.pop(a, None)
@@ -344,6 +393,34 @@ def condition(name: str, items: list, ref: dict, ref_top: dict, got: dict, got_t
     }
 
 
+def judge_states(args, items, conds, restores, prompts, servers, specs) -> dict:
+    """Step 4: each k3 candidate's restored states against the reference's, per restore point."""
+    picked: dict = {}  # candidate -> [{"key", "cached_tokens", "file", "restores"}]
+    unmatched: dict = {}
+    for n, per_key in restores.items():
+        cached = {d["key"]: d for d in conds[n]["requests"]}
+        rows = []
+        for it in items:
+            k, files = it["key"], per_key.get(it["key"], [])
+            if not cached[k]["restored"]:
+                continue
+            if not files:  # a hit whose state was not restored through the stores (counted, not judged)
+                unmatched[n] = unmatched.get(n, 0) + 1
+                continue
+            row = {"key": k, "cached_tokens": cached[k]["cached_tokens"], "file": files[0], "restores": len(files)}
+            rows.append(row)
+        picked[n] = rows
+    points = sorted({(r["key"], r["cached_tokens"]) for rows in picked.values() for r in rows})
+    folders = {n: state_dir(specs, n) for n in ("reference", "split")}
+    if not args.quiet:
+        print(f"  [states] {len(points)} restore points: prefilled on the reference and split servers", flush=True)
+    refs = sp.reference_states(points, prompts, servers, folders, args.batch_size, args.seed)
+    verdicts = {n: sp.judge_states(rows, refs, candidate_dtype(args, n), judge) for n, rows in picked.items()}
+    for n, v in verdicts.items():
+        v["hits_without_a_store_restore"] = unmatched.get(n, 0)
+    return {"skipped": None, "points": len(points), "verdicts": verdicts}
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -352,7 +429,9 @@ def plot(result: dict, path: str) -> None:
 
     conds = result["conditions"]
     names = list(conds)
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.3, 1.7]})
+    sv = (result.get("states") or {}).get("verdicts") or {}
+    ratios = [1.3, 1.7] + ([1.0] if sv else [])
+    fig, axes = plt.subplots(1, len(ratios), figsize=(15 + 5 * bool(sv), 4.8), gridspec_kw={"width_ratios": ratios})
     ax = axes[0]
     tau = result["floor"]["tau"]
     # an infinite tau (a request's top-1 left the other side's top-k) cannot set a log scale: the
@@ -394,6 +473,21 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("greedy flips / positions")
     ax.set_title("greedy flips by margin bucket", fontsize=9)
     ax.legend(fontsize=7)
+    if sv:
+        ax = axes[2]
+        tiny = min([r["drift"] for v in sv.values() for r in v["requests"] if r["drift"] > 0] + [1e-9]) / 10
+        for x, v in enumerate(sv.values()):
+            vals = [max(r["drift"], tiny) for r in v["requests"]]
+            jit = random.Random(x)
+            ax.scatter([x + jit.uniform(-0.25, 0.25) for _ in vals], vals, s=9, color="#1f77b4")
+            if v.get("flag_limit") is not None:
+                ax.hlines(v["flag_limit"], x - 0.4, x + 0.4, color="#d62728", lw=1, ls=":")
+                ax.hlines(v["tau"], x - 0.4, x + 0.4, color="black", lw=1, ls="--")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sv)))
+        ax.set_xticklabels(list(sv), rotation=20, fontsize=8)
+        ax.set_ylabel("restored state: |dstate| / |state| against the reference")
+        ax.set_title("states (dashed: tau = split + batch + codec; dotted: flag limit)", fontsize=9)
     fig.suptitle(result["title"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -448,6 +542,8 @@ def main(argv=None) -> int:
     }
     started = [s for n, s in servers.items() if n not in args.urls]
     prompts: dict = {}
+    restores: dict = {}  # candidate -> key -> the restore-*.pt files its request added
+    state_results: dict = {"skipped": args.states_skipped}
     ref: dict = {}
     ref_top: dict = {}
     conds: dict = {}
@@ -475,10 +571,14 @@ def main(argv=None) -> int:
 
         def alone(name: str, srv) -> tuple[dict, dict]:
             got, tops = {}, {}
+            folder = state_dir(specs, name) if name in CANDIDATES or name == corrupt_name(args) else None
+            log = sp.RestoreLog(folder) if folder else None
             for i, it in enumerate(items, 1):
                 if name == "reference":
                     prompts[it["key"]] = cf.resolve_prompt(it, prompts, {k: v["output_ids"] for k, v in got.items()})
                 got[it["key"]], tops[it["key"]] = _request(srv, prompts[it["key"]], args)
+                if log is not None:  # one request at a time: the restores it adds are its own
+                    restores.setdefault(name, {})[it["key"]] = log.new()
                 if not args.quiet and (i % 16 == 0 or i == len(items)):
                     print(f"  [{name}] {i}/{len(items)} ({time.time() - t_start:.0f}s)", flush=True)
             if srv.name not in args.urls and not srv.alive():
@@ -519,6 +619,14 @@ def main(argv=None) -> int:
             timings[f"{n}_s"] = time.time() - t0
             if n not in args.urls:
                 servers[n].stop()  # frees its memory for the next
+        if not args.states_skipped:
+            t0 = time.time()
+            state_results = judge_states(args, items, conds, restores, prompts, servers, specs)
+            timings["states_s"] = time.time() - t0
+            if not args.keep_states:
+                import shutil
+
+                shutil.rmtree(os.path.join(args.log_dir, "states"), ignore_errors=True)
     except (ServerStartError, RuntimeError, OSError, _Stopped) as e:
         # what finished is kept: a condition is judged only against a floor measured in this run
         print(f"error: {e}", file=sys.stderr)
@@ -586,6 +694,7 @@ def main(argv=None) -> int:
         },
         "floor": {"tau": _finite_max(floor), **{k: v for k, v in summarize_drifts(floor).items() if k != "max"}},
         "verdicts": verdicts,
+        "states": state_results,
         "conditions": conds,
         "k3_cache_stats": stats,
     }
@@ -616,10 +725,25 @@ def main(argv=None) -> int:
         missing = [n for n in [*args.candidates, *([corrupt_name(args)] if args.corrupt else [])] if n not in conds]
         print(f"error: partial results ({failure}); not measured: {', '.join(missing)}", file=sys.stderr)
         return 124 if failure.startswith("_Stopped") else 1
+    sv = state_results.get("verdicts") or {}
+    if state_results.get("skipped"):
+        print(f"states: not compared ({state_results['skipped']})")
+    elif sv:
+        print(f"\nstates ({state_results['points']} restore points; floor = split + batch + codec, per request)")
+        print(f"{'condition':<14} {'judged':>8} {'tau':>10} {'drift max':>10} verdict")
+        for n, v in sv.items():
+            worst = max((r["drift"] for r in v["requests"]), default=None)
+            tau = v.get("tau")
+            fmt = lambda x: "n/a" if x is None else f"{x:.2e}"  # noqa: E731
+            verdict = "within floor" if v["within_floor"] else f"OUTSIDE ({len(v.get('flagged', []))} flagged)"
+            print(f"{n:<14} {v['restored_requests']:>8} {fmt(tau):>10} {fmt(worst):>10} {verdict}")
     bad = []
     if "fp32" in verdicts and not verdicts["fp32"]["within_floor"]:
         bad.append("fp32 checkpoints are not within the floor")
-    if args.corrupt and not verdicts[corrupt_name(args)]["flagged"]:
+    if "fp32" in sv and not sv["fp32"]["within_floor"]:
+        bad.append("fp32 restored states are not within the state floor")
+    cn = corrupt_name(args)
+    if args.corrupt and not verdicts[cn]["flagged"] and not (sv.get(cn) or {}).get("flagged"):
         bad.append("the corrupted restore was not flagged")
     if bad:
         print("WARNING: " + "; ".join(bad), file=sys.stderr)
