@@ -31,6 +31,26 @@ def run_benchmark(module: str, args: list, timeout: float = 120.0) -> subprocess
     )
 
 
+def check_cli(module: str, needles=(), refusals=(), parser=None, timeout: float = 120.0) -> str:
+    """A benchmark's command line as a user meets it: ``--help`` exits 0 and names every
+    ``needles`` entry (and, given its ``parser``, every option with a help text of its own), and
+    each ``(args, needle)`` of ``refusals`` is refused before any server starts (exit 2, the flag
+    named in the error). Returns the help text."""
+    r = run_benchmark(module, ["--help"], timeout)
+    assert r.returncode == 0, r.stderr
+    for needle in needles:
+        assert needle in r.stdout, needle
+    if parser is not None:
+        actions = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+        assert actions
+        for a in actions:
+            assert a.help and a.option_strings[0] in r.stdout, a.option_strings
+    for args, needle in refusals:
+        bad = run_benchmark(module, list(args), timeout)
+        assert bad.returncode == 2 and needle in bad.stderr, (args, bad.stderr)
+    return r.stdout
+
+
 def abort_all_mid_flight(server, prompts: list, max_new_tokens: int, after_s: float) -> list:
     """Send every prompt at once (greedy, one thread each), abort them all through
     ``/abort_request`` ``after_s`` seconds later, wait for every request to come back. Returns each

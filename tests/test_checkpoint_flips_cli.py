@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+from server_utils import check_cli, run_benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -171,24 +171,13 @@ def test_workload_is_seeded_and_shares_prefixes():
 
 # ----------------------------------------------------------------------------- CLI
 def _cli(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.checkpoint_flips", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_benchmark("benchmarks.checkpoint_flips", list(args), timeout)
 
 
 def test_help_explains_every_flag():
-    r = _cli("--help")
-    assert r.returncode == 0, r.stderr
-    actions = [a for a in cf.build_parser()._actions if a.option_strings and a.dest != "help"]
-    assert len(actions) >= 18
-    for a in actions:
-        assert a.help and a.option_strings[0] in r.stdout, a.option_strings
-    for word in ("--k3-checkpoint-dtype", "--disable-radix-cache", "margin", "results.json"):
-        assert word in r.stdout
+    assert len([a for a in cf.build_parser()._actions if a.option_strings]) >= 19
+    needles = ("--k3-checkpoint-dtype", "--disable-radix-cache", "margin", "results.json")
+    check_cli("benchmarks.checkpoint_flips", needles, parser=cf.build_parser())
 
 
 @pytest.mark.parametrize(
