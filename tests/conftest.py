@@ -118,6 +118,13 @@ SERVER_CONFIGS["k3_host_tier_page64"] = [*SERVER_CONFIGS["k3_host_tier"], "--pag
 # Pages of 16 with k3_small's chunks and pools: chunk ends, evictions and restores inside pages all
 # happen; its 96-token chunks end on page boundaries but off the 64-token grid.
 SERVER_CONFIGS["k3_page16_small"] = [*SERVER_CONFIGS["k3_small"], "--page-size", "16"]
+# NGRAM with SGLang's own retraction test hook: every third forward retracts running decodes (the
+# scheduler's path for a full KV pool, with its log line "Testing retraction"), so retraction
+# mid-speculation happens on CPU, where admission stops at the state slots before KV runs out.
+SERVER_CONFIGS["k3_spec_retract"] = SERVER_CONFIGS["k3_spec"]
+SERVER_ENVS: dict[str, dict[str, str]] = {
+    "k3_spec_retract": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"},
+}
 
 _servers: dict[str, Server] = {}  # least recently used first
 # Servers kept alive at once. Each takes 1-3 GB in three processes; with every configuration alive
@@ -134,7 +141,7 @@ def get_server(name: str) -> Server:
             old_name = next(iter(_servers))
             _servers.pop(old_name).stop()
             print(f"\n[server {old_name}] stopped (least recently used)", file=sys.stderr)
-        srv = Server(name, SERVER_CONFIGS[name]).start()
+        srv = Server(name, SERVER_CONFIGS[name], env=SERVER_ENVS.get(name)).start()
         print(f"\n[server {name}] healthy after {srv.start_seconds:.1f}s at {srv.url}", file=sys.stderr)
     _servers[name] = srv  # most recently used last
     return srv

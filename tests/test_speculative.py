@@ -4,8 +4,8 @@
 drafts a verify (one chain on CPU). Its greedy tokens must equal the cache-off server's without
 speculation, token for token, while drafts are really accepted (the verify's KDA states, conv
 windows, MLA KV moves and commit all run on the CPU path); the same conversations must report the
-same ``cached_tokens`` as the ``k3`` server without speculation; an abort mid-speculation leaves
-no request tracked and no state slot held.
+same ``cached_tokens`` as the ``k3`` server without speculation; an abort or a retraction
+mid-speculation leaves no request tracked and no state slot held.
 
 NGRAM proposes drafts from n-grams seen before (this request's and earlier ones'); a random model
 rarely repeats itself, so each workload asks some prompts twice: the second time the first
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from server_utils import abort_all_mid_flight, k3_state
 from workloads import random_tokens
@@ -125,6 +126,38 @@ def test_an_abort_mid_speculation_leaves_no_state_behind(server_factory):
     assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
     again = s.generate(prompt, 300)
     assert again["output_ids"] == first["output_ids"]
+
+
+def test_retractions_mid_speculation_keep_greedy_tokens_and_leave_no_state(server_factory, nocache_reference):
+    """Four requests decoding speculatively at once, retracted again and again mid-flight by
+    SGLang's own hook (``k3_spec_retract``: every third forward). A retracted request goes back to
+    the queue, gives up its state slot and KV, and is prefilled again from what the cache holds:
+    every answer equals the cache-off server's, drafts are still accepted the second time round, the
+    prompts still hit, and nothing stays tracked or held."""
+    rng = random.Random(3438)
+    prompts = [random_tokens(rng, rng.randint(60, 140)) for _ in range(4)]
+
+    def run(server):
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return [o["output_ids"] for o in ex.map(lambda p: server.generate(p, 48), prompts)]
+
+    want = nocache_reference(("spec_retract", 3438), run)
+    s = server_factory("k3_spec_retract")
+    for round_ in range(2):  # the second round is drafted from the first's answers
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: s.generate(p, 48), prompts))
+        assert [o["output_ids"] for o in outs] == want, round_
+    accepted = sum(_spec(o["meta_info"])[0] for o in outs)
+    assert accepted >= 48, accepted  # of 4 x 48 tokens
+    assert all(o["meta_info"]["cached_tokens"] >= 64 for o in outs), [o["meta_info"]["cached_tokens"] for o in outs]
+    with open(s.log_path, errors="replace") as f:
+        retractions = f.read().count("Testing retraction")
+    assert retractions >= 4, retractions  # the hook really fired, mid-speculation
+    deadline = time.time() + 30
+    while k3_state(s)["tracked_requests"] and time.time() < deadline:
+        time.sleep(0.5)
+    state = k3_state(s)
+    assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
 
 
 def test_a_turn_that_stops_inside_a_verify_is_cached_as_without_speculation(server_factory):
