@@ -120,7 +120,10 @@ differential)
 ab)
   # AB_EXTRA: flags for all three servers (e.g. "--page-size 64"); AB_K3_PRESSURE_ARGS: the k3
   # server's extra flags in the pressure run (default its host tier, which needs page 1)
-  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 ${AB_EXTRA:-}"
+  # AB_POOLS caps each server's pools: SGLang's memory check counts what the other servers on
+  # the card already hold, and on an 80 GB H100 three servers at 0.12 each left the last one to
+  # start a negative state-pool size (GPU_NOTES.md, eighth session); the pressure run sets its own
+  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 ${AB_POOLS---max-total-tokens 262144 --max-mamba-cache-size 128} ${AB_EXTRA:-}"
   # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
   # multiturn (conversations that branch at their third turn) and the trace slice only.
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run.
