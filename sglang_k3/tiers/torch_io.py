@@ -129,13 +129,7 @@ class PinnedHostMemory:
     def _unregister(thread, rt, ptr: int) -> None:
         """Finalizer (whichever thread drops the buffer): unregister on the pinning thread, so a
         refusal cannot reach a thread that launches kernels; waits, so the pages are unpinned before
-        the mapping is released. On the pinning thread itself (a garbage collection that ran
-        there) it unregisters in place: waiting for itself would never end."""
-        import threading
-
-        if threading.current_thread().name.startswith("k3-host-pin"):
-            rt.cudaHostUnregister(ptr)
-            return
+        the mapping is released."""
         try:
             thread.submit(rt.cudaHostUnregister, ptr).result()
         except RuntimeError:  # the executor is shut down (interpreter exit): unregister here
