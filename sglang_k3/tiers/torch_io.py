@@ -88,26 +88,12 @@ class PinnedHostMemory:
     unregistered by a finalizer when the buffer is freed (numpy runs weakref callbacks before it
     releases the mapping). Pinning costs a registration per buffer; the host store reuses the
     buffers of the objects it drops, so a full tier pins nothing new. A registration the driver
-    refuses leaves a pageable buffer: correct, only slower (counted in ``failures``).
-
-    The registrations run on a thread of their own. A refused ``cudaHostRegister`` also leaves its
-    error as the calling thread's last CUDA error, which the next kernel launch of that thread
-    reports as its own: on an H100 one refusal (``cudaErrorHostMemoryAlreadyRegistered``) surfaced
-    in the next save's ``index_select`` and failed it, and in the forward it would have stopped the
-    server. In a thread that launches nothing, the error stays there."""
+    refuses leaves a pageable buffer: correct, only slower (counted in ``failures``)."""
 
     def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self._rt = torch.cuda.cudart()
-        self._device = torch.cuda.current_device()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="k3-host-pin")
         self.registered = 0
         self.failures = 0
-
-    def _register(self, ptr: int, n: int):
-        torch.cuda.set_device(self._device)  # the server's device, in this thread too
-        return self._rt.cudaHostRegister(ptr, n, 0)
 
     def __call__(self, n: int) -> np.ndarray:
         if n == 0:
@@ -115,25 +101,15 @@ class PinnedHostMemory:
         region = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
         buf = np.frombuffer(region, dtype=np.uint8, count=n)  # holds the mapping while it lives
         ptr = buf.ctypes.data
-        rc = self._thread.submit(self._register, ptr, n).result()
+        rc = self._rt.cudaHostRegister(ptr, n, 0)
         if int(rc) != 0:
             if not self.failures:
                 logger.warning("k3 host tier: cudaHostRegister of %d bytes failed (%s); using pageable buffers", n, rc)
             self.failures += 1
             return buf
         self.registered += 1
-        weakref.finalize(buf, self._unregister, self._thread, self._rt, ptr)
+        weakref.finalize(buf, self._rt.cudaHostUnregister, ptr)
         return buf
-
-    @staticmethod
-    def _unregister(thread, rt, ptr: int) -> None:
-        """Finalizer (whichever thread drops the buffer): unregister on the pinning thread, so a
-        refusal cannot reach a thread that launches kernels; waits, so the pages are unpinned before
-        the mapping is released."""
-        try:
-            thread.submit(rt.cudaHostUnregister, ptr).result()
-        except RuntimeError:  # the executor is shut down (interpreter exit): unregister here
-            rt.cudaHostUnregister(ptr)
 
 
 def host_buffers_for(device: torch.device):
