@@ -238,19 +238,10 @@ class PoolTierIO:
         launch and the KV index, so one wait covers them all."""
         sizes = [memoryview(p).nbytes for p in payloads]
         offsets = _offsets(sizes)
-        if self.device.type == "cuda":
-            # the copies up and the checksums on the copy stream: on the caller's (the forward's,
-            # under overlap scheduling) they would queue behind the forward in flight, and the wait
-            # below with them. The writes after the wait read ``data`` on the caller's stream.
-            with torch.cuda.stream(self._streams()[1]):
-                data = _to_device(payloads, self.device)
-                pending = device_checksums(data, offsets, sizes)
-            data.record_stream(torch.cuda.current_stream(self.device))
-        else:
-            data = _to_device(payloads, self.device)
-            pending = device_checksums(data, offsets, sizes)
+        data = _to_device(payloads, self.device)  # asynchronous from page-locked host buffers
+        pending = device_checksums(data, offsets, sizes)  # after the copies, in stream order
         idx = self._index(new_kv) if len(new_kv) else None
-        if pending() != list(checks):  # waits for the copies and the checksums, not for the forward
+        if pending() != list(checks):
             return None
         if idx is not None:
             kv = [data[offsets[i] + a : offsets[i] + b] for i, a, b in kv_spans]
