@@ -69,8 +69,7 @@ def k3sum64_pieces(src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
     """Launch the checksums of ``src[off : off + n]`` (``src`` 1-D uint8 on CUDA) on the current
     stream, after the event ``after`` if given (the table of chunks goes up before that wait, so
     it does not queue behind what ``after`` waits for). Returns a callable giving them: it waits
-    for the kernel and copies its per-chunk sums down (a few KB, on the kernel's stream, whatever
-    thread calls it), then adds them per piece. No
+    for the kernel and copies its per-chunk sums down (a few KB), then adds them per piece. No
     page-locked memory is taken for the result: with copies queued, every fresh page-locked block
     is a ``cudaHostAlloc``."""
     if src.dtype != torch.uint8 or src.dim() != 1:
@@ -92,11 +91,7 @@ def k3sum64_pieces(src: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
 
     def result() -> list[int]:
         done.synchronize()
-        # the copy down on the kernel's stream: the caller (the tier writer thread) would issue it
-        # on its own current stream, the legacy default one, which waits for every blocking
-        # stream's work, a forward on it included
-        with torch.cuda.stream(stream):
-            partial = out.cpu().numpy().view(np.uint64)
+        partial = out.cpu().numpy().view(np.uint64)
         sums = np.add.reduceat(partial, starts) if n_chunks else np.zeros(0, dtype=np.uint64)
         return [finish(int(s) & MASK, int(n)) for s, n in zip(sums, nbytes)]
 
