@@ -328,8 +328,7 @@ def server_specs(args) -> dict:
         else:
             specs[c] = (["--k3-checkpoint-dtype", c, *k3], None)
     if args.corrupt:
-        path = FAULTS_DIR + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-        env = {"PYTHONPATH": path, "SGLANG_K3_TEST_CORRUPT_RESTORE": "1"}
+        env = sp.hooks_env({"SGLANG_K3_TEST_CORRUPT_RESTORE": "1"})
         specs[corrupt_name(args)] = (["--k3-checkpoint-dtype", args.corrupt, *k3], env)
     if not args.states_skipped:
         root = os.path.join(args.log_dir, "states")
@@ -571,7 +570,7 @@ def main(argv=None) -> int:
 
         def alone(name: str, srv) -> tuple[dict, dict]:
             got, tops = {}, {}
-            folder = state_dir(specs, name) if name in CANDIDATES or name == corrupt_name(args) else None
+            folder = state_dir(specs, name) if name not in ("reference", "split") else None  # their probes: step 4
             log = sp.RestoreLog(folder) if folder else None
             for i, it in enumerate(items, 1):
                 if name == "reference":

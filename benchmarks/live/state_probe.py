@@ -41,17 +41,23 @@ def available() -> bool:
     return os.path.isfile(os.path.join(FAULTS_DIR, "sitecustomize.py"))
 
 
+def hooks_env(env: dict | None = None) -> dict:
+    """``env`` with ``tests/faults`` first on ``PYTHONPATH`` (once), so a server started with it
+    loads the hooks of ``tests/faults/sitecustomize.py``."""
+    out = dict(env or {})
+    path = out.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
+    if FAULTS_DIR not in path.split(os.pathsep):
+        path = FAULTS_DIR + (os.pathsep + path if path else "")
+    out["PYTHONPATH"] = path
+    return out
+
+
 def server_env(root: str, name: str, env: dict | None) -> dict:
     """``env`` plus what makes server ``name`` write its states under ``root/name`` (emptied)."""
     d = os.path.join(root, name)
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    out = dict(env or {})
-    path = out.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
-    if FAULTS_DIR not in path.split(os.pathsep):
-        path = FAULTS_DIR + (os.pathsep + path if path else "")
-    out.update(PYTHONPATH=path, **{STATE_DIR_ENV: d})
-    return out
+    return {**hooks_env(env), STATE_DIR_ENV: d}
 
 
 class RestoreLog:

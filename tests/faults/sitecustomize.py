@@ -20,8 +20,8 @@ or a stale slot would leave it.
   written to ``DIR/restore-NNNNN.pt`` (``{"temporal": [L, H, V, K], "conv": [[L, ...], ...]}`` on the
   host, in the pool's dtype), numbered in the order restored.
 * Any server (k3 or cache off): the state of a request whose ``rid`` starts with ``k3state-`` is
-  written to ``DIR/final-RID.pt`` when SGLang releases it. Sent with ``max_new_tokens`` 1, that is the
-  state after its prompt, before any decode step.
+  written to ``DIR/final-RID.pt`` when SGLang releases it. Sent with ``max_new_tokens`` 0 (prefill
+  only, as the harness sends it), that is the state after exactly its prompt, with no decode step.
 
 Nothing in ``sglang_k3`` knows about this file.
 """
