@@ -63,6 +63,10 @@ TIER_STATS = (
     "tier_prefetch_hits",
     "tier_prefetch_lead_seconds",
     "tier_prefetch_failures",
+    "tier_held",
+    "tier_held_seconds",
+    "tier_held_expired",
+    "tier_hold_lookups",
     "evicted_checkpoints",
     "evicted_kv_tokens",
 )

@@ -41,6 +41,7 @@ PATCH_MODULES: list[str] = [
     "mamba_no_buffer_overlap",
     "schedule_policy_waiting_refresh",
     "prefill_adder_not_admitted",
+    "scheduler_hold_tier_loads",
     "spec_reconstruct_tree",
     "ngram_chain_drafts",
     "spec_assign_req_to_token_pool",

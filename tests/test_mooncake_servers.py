@@ -6,7 +6,9 @@ instance holding part of the pool killed) cost hits, never correctness.
 Both run ``--k3-mooncake --k3-tier-write-policy write_through`` (a boundary is in the shared tier
 as soon as it is stored, not only once evicted) with fp32 checkpoints, so greedy tokens must equal
 the cache-off server's exactly. The second instance serves KV pages of 64 tokens, the first pages
-of one: what either saved, the other restores (tier objects do not depend on the page size).
+of one: what either saved, the other restores (tier objects do not depend on the page size). The
+second also has a host tier above Mooncake, so a request whose prefix only Mooncake holds waits in
+the queue while it is copied up, and is then restored from host memory.
 Skipped without the Mooncake wheel.
 """
 
@@ -33,7 +35,8 @@ FLAGS = ["--k3-checkpoint-dtype", "fp32", "--k3-mooncake", "--k3-tier-write-poli
 def fleet(server_factory):
     master = MooncakeMaster().start()
     env = master.client_env(128 << 20)
-    a, b = Server("mooncake_a", FLAGS, env=env), Server("mooncake_b_page64", [*FLAGS, "--page-size", "64"], env=env)
+    b_flags = [*FLAGS, "--page-size", "64", "--k3-host-tier-gib", "0.25"]
+    a, b = Server("mooncake_a", FLAGS, env=env), Server("mooncake_b_page64_host", b_flags, env=env)
     try:
         a.launch()
         b.launch()
@@ -60,7 +63,13 @@ def test_a_prefix_computed_on_one_instance_is_restored_on_the_other(fleet):
     out_b = b.generate(nxt, 8)
     after = k3_state(b)
     assert out_b["meta_info"]["cached_tokens"] >= len(prompt) - 64, out_b["meta_info"]
-    assert after["tier_l3_hits"] > before["tier_l3_hits"]
+    # only Mooncake held it: B held the request back while its prefetch thread copied the prefix
+    # into host memory, and the admission restored it from there, not over the network
+    # (patches/scheduler_hold_tier_loads.py; without the hold the load reads Mooncake)
+    assert after["tier_held"] == before["tier_held"] + 1, str({k: v for k, v in after.items() if k.startswith("tier")})
+    assert after["tier_host_hits"] == before["tier_host_hits"] + 1
+    assert after["tier_prefetch_hits"] == before["tier_prefetch_hits"] + 1
+    assert after["tier_l3_hits"] == before["tier_l3_hits"]
     assert out_b["output_ids"] == plain.generate(nxt, 8)["output_ids"]
     assert out_a["output_ids"] == plain.generate(prompt, 8)["output_ids"]
 

@@ -485,3 +485,82 @@ def test_a_batch_counts_its_own_bytes_against_the_write_queue():
     assert mgr.wait_writes()
     assert [mgr.holds(t, 250) for t, _ in paths] == [True, False, False]
     assert mgr.save_many(batch[1:2]) == [True] and mgr.wait_writes() and mgr.holds(paths[1][0], 250)
+
+
+def _two_instances(l3):
+    """Two replay instances (the server's lifecycle, tiny model) sharing the lower tier ``l3``:
+    ``a`` with no host tier writes its boundaries through to ``l3``; ``b`` has a 1 GiB host tier
+    above ``l3``. ``a`` has served one 16-symbol prompt to its finish."""
+    from array import array
+
+    from benchmarks.policies import SimConfig
+    from benchmarks.policies.k3 import K3Policy
+    from benchmarks.trace.mooncake import SymbolicTrace
+    from sglang_k3.cache import preset
+    from sglang_k3.config import K3Config
+
+    k3 = K3Config(checkpoint_dtype="int8", tier_write_policy="write_through", tier_park_interval=0)
+    a = K3Policy(SimConfig(cost=preset("tiny")), 1 << 30, k3, shared_l3=l3)
+    b = K3Policy(SimConfig(cost=preset("tiny"), host_budget_bytes=1 << 30), 1 << 30, k3, shared_l3=l3)
+    seq = array("q", range(1000, 1020))
+    trace = SymbolicTrace(64, [0.0], [16 * 64], [4 * 64], [seq], [0], [-1])
+    a.finish(trace, 0, a.admit(trace, 0).ctx)
+    return a, b, trace
+
+
+def _l3(cls=None):
+    from benchmarks.policies.tiers import ModelledStore
+
+    return (cls or ModelledStore)(1 << 30, "l3", 1, 1)
+
+
+def test_a_waiting_request_is_held_until_its_boundary_is_copied_up_from_the_lower_tier():
+    """A request whose prefix only the tier below host memory (Mooncake) holds is held back while
+    that boundary is copied into the host tier; once the copy lands it is let through, and its
+    admission loads from host memory (the scheduler's thread never reads the lower tier). A
+    request with nothing below is never held. This is what ``patches/scheduler_hold_tier_loads.py``
+    asks at each scheduling call."""
+    _, b, trace = _two_instances(_l3())
+    lc, tiers = b.lifecycle, b.tiers
+    key = trace.prompt(0) + [5555]
+    assert lc.held_for_tiers("r", key)  # the copy up started
+    assert tiers.counters.prefetches == 1 and lc.bridge.counters.tier_held == 1
+    assert tiers.wait_prefetches()
+    assert not lc.held_for_tiers("r", key)  # landed: let through
+    assert lc.bridge.counters.tier_held_seconds > 0 and lc.bridge.counters.tier_held_expired == 0
+    m = lc.match("r", key, admit=True, prompt_len=len(key))
+    assert m.restore_len >= 16
+    assert tiers.hits_by_tier == {"host": 1, "l3": 0} and tiers.counters.prefetch_hits == 1
+    other = [7000 + i for i in range(17)]
+    assert not lc.held_for_tiers("s", other) and not lc.held_for_tiers("s", other)
+    assert tiers.counters.prefetches == 1 and lc.bridge.counters.tier_held == 1
+
+
+def test_a_held_request_is_let_go_when_its_copy_up_hangs():
+    """A lower tier that stops answering keeps a request waiting at most ``HOLD_LIMIT_S``; it is
+    then admitted without that boundary's copy, and the expiry is counted."""
+    import threading
+    import time
+
+    from benchmarks.policies.tiers import ModelledStore
+
+    class Stalled(ModelledStore):
+        gate = threading.Event()
+
+        def get(self, key):
+            assert self.gate.wait(30), "the test never opened the gate"
+            return super().get(key)
+
+    l3 = _l3(Stalled)
+    _, b, trace = _two_instances(l3)
+    lc = b.lifecycle
+    lc.bridge.HOLD_LIMIT_S = 0.05
+    key = trace.prompt(0) + [5555]
+    try:
+        assert lc.held_for_tiers("r", key)
+        time.sleep(0.1)
+        assert not lc.held_for_tiers("r", key)
+        assert lc.bridge.counters.tier_held_expired == 1
+    finally:
+        l3.gate.set()
+    assert b.tiers.wait_prefetches()

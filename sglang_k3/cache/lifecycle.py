@@ -144,6 +144,7 @@ class CacheLifecycle(EvictionVerbs):
                 rec.branch_point = self.tree.find_branch_point(tokens) or None
                 rec.unplanned_key = tokens if rec.branch_point is None else None
             if self.bridge is not None:
+                self.bridge.forget(rid)
                 self.bridge.promote(tokens, tier_room)  # admission promotes first, then matches
         elif self.bridge is not None:
             self.bridge.prefetch(tokens)  # a read-only lookup of a waiting request (e.g. sorting)
@@ -165,6 +166,12 @@ class CacheLifecycle(EvictionVerbs):
         if self.bridge is not None:
             self.bridge.prefetch(tokens)
 
+    def held_for_tiers(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Whether the waiting request should wait before its admission: its boundary is being
+        copied up from a tier below host memory (:meth:`TierBridge.held
+        <sglang_k3.cache.tier_bridge.TierBridge.held>`). False without lower tiers."""
+        return self.bridge is not None and self.bridge.held(rid, tokens)
+
     def release_pin(self, rid: str) -> None:
         """The request's copy-on-write has landed (or will never run): its checkpoint may go."""
         self.store.cancel_restore(rid)  # a restore not run by now is not wanted any more
@@ -177,6 +184,8 @@ class CacheLifecycle(EvictionVerbs):
         """The request is gone: drop its pin and match-time data."""
         self.release_pin(rid)
         self.requests.pop(rid, None)
+        if self.bridge is not None:
+            self.bridge.forget(rid)
 
     def forget_done(self) -> int:
         """Release requests the host reports done that never reached :meth:`release` (a request
@@ -446,6 +455,10 @@ class CacheLifecycle(EvictionVerbs):
             unkeyed_state_skips=self.counters.unkeyed_state_skips,
             tier_errors=self.bridge.counters.tier_errors if self.bridge else 0,
             tier_parked=self.bridge.counters.tier_parked if self.bridge else 0,
+            tier_held=self.bridge.counters.tier_held if self.bridge else 0,
+            tier_held_seconds=self.bridge.counters.tier_held_seconds if self.bridge else 0.0,
+            tier_held_expired=self.bridge.counters.tier_held_expired if self.bridge else 0,
+            tier_hold_lookups=self.bridge.counters.tier_hold_lookups if self.bridge else 0,
         )
         d.update(self.tree.misses.as_dict())
         d.update((self.tree.reuse or ReuseLearner()).as_dict())

@@ -98,6 +98,12 @@ class TierPort(Protocol):
     def prefetch(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> bool:
         """Start copying that boundary up to the nearest tier while the request waits."""
 
+    def copying_up(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[str]:
+        """:meth:`prefetch`; the key of the boundary whose copy up runs now, or None."""
+
+    def copy_running(self, key: str) -> bool:
+        """Whether the copy up of boundary ``key`` is still running."""
+
     def load(self, plan: TierPlan, new_kv: Sequence[int], handle: int) -> Optional[int]:
         """Write the planned boundary's KV into ``new_kv`` and its state into ``handle``; the
         boundary's checkpoint kind, or None when a part is missing or invalid (nothing kept)."""

@@ -5,6 +5,9 @@ between the device tree and a :class:`~sglang_k3.cache.ports.TierPort`, in one p
   tiers hold past the device's own restore point is brought onto the device (:meth:`promote`):
   its missing KV into fresh KV slots, inserted into the tree, and its state as a ready checkpoint.
   A waiting request that is only looked at starts a copy up to host memory (:meth:`prefetch`).
+  A waiting request whose boundary only a tier below host memory holds (Mooncake) is held back
+  while that copy runs (:meth:`held`): the scheduler admits the others meanwhile, and the held
+  one's promotion then reads host memory, not the network, on the scheduler's thread.
 * **Down (demotion)**: an eviction's boundaries arrive as
   :class:`~sglang_k3.cache.actions.SaveBoundary` actions, one batch (:meth:`save_boundaries`); the write
   policies copy a boundary down when it lands (``write_through``) or at its first hit
@@ -25,6 +28,7 @@ partial page); a request that restores there copies that page's prefix out, as o
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -41,10 +45,21 @@ logger = logging.getLogger(__name__)
 class BridgeCounters:
     tier_errors: int = 0  # a lower tier raised (logged; the device cache carried on)
     tier_parked: int = 0  # exported states saved straight to the lower tiers (dense states)
+    tier_held: int = 0  # waiting requests held back while their boundary was copied up to host memory
+    tier_held_seconds: float = 0.0  # how long, summed over them (until the copy landed or failed)
+    tier_held_expired: int = 0  # of them, let go after HOLD_LIMIT_S with the copy still running
+    tier_hold_lookups: int = 0  # lower-tier lookups made to decide whether to hold a waiting request
 
 
 class TierBridge:
     PROMOTE_ATTEMPTS = 3  # boundaries tried per admission when a deeper one fails to load
+    # A request is held back while its boundary is copied up at most this long: a copy that
+    # hangs (a lower tier that stopped answering) must not keep a request waiting for ever.
+    HOLD_LIMIT_S = 10.0
+    _HOLDS_KEPT = 4096  # hold records kept for requests that left without being admitted
+    # Waiting requests looked at per scheduling call, from the queue's head: the ones admission
+    # reaches first (each lookup past the device asks Mooncake which objects it has).
+    HOLD_LOOKAHEAD = 16
 
     def __init__(
         self,
@@ -63,6 +78,9 @@ class TierBridge:
         # inside this prompt restores close to where it forks. 0: off.
         self.park_every = park_every
         self.counters = BridgeCounters()
+        # rid -> (key of the boundary being copied up or None, its start, the eviction count
+        # when the request was last looked up) (:meth:`held`); dropped at admission (:meth:`forget`)
+        self._holds: dict[str, tuple[Optional[str], float, int]] = {}
 
     # ------------------------------------------------------------------ down
     @property
@@ -130,6 +148,53 @@ class TierBridge:
         except Exception:
             self.counters.tier_errors += 1
             logger.exception("k3 tier: prefetch lookup failed")
+
+    def held(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Whether the waiting request ``rid`` should stay in the queue for now. When it is first
+        asked, and again whenever the device tree has evicted since (what it lost, or what the
+        writer thread has landed below since, may be only in Mooncake now), the deepest boundary
+        past the device's restore point that only a tier below host memory holds starts copying
+        up (as :meth:`prefetch`). The request is held while that copy runs, at most
+        :attr:`HOLD_LIMIT_S`; its promotion at admission then reads host memory. Between
+        evictions nothing is looked up again."""
+        hold = self._holds.get(rid)
+        epoch = self._eviction_epoch()
+        if hold is not None:
+            key, t0, seen = hold
+            if key is not None:
+                waited = time.perf_counter() - t0
+                if self.tiers.copy_running(key):
+                    if waited < self.HOLD_LIMIT_S:
+                        return True
+                    self.counters.tier_held_expired += 1
+                self.counters.tier_held_seconds += waited
+                self._holds[rid] = (None, 0.0, seen)
+                return False
+            if seen == epoch:
+                return False
+        key = None
+        if len(tokens) >= 2:
+            self.counters.tier_hold_lookups += 1
+            try:
+                _, mla_len, restore = self.tree.peek(tokens)
+                key = self.tiers.copying_up(tokens, restore, len(tokens) - 1, self._whole_pages(mla_len))
+            except Exception:
+                self.counters.tier_errors += 1
+                logger.exception("k3 tier: lookup for a waiting request failed; it is not held")
+        if hold is None and len(self._holds) >= self._HOLDS_KEPT:  # requests aborted while waiting
+            self._holds.pop(next(iter(self._holds)))
+        self._holds[rid] = (key, time.perf_counter(), epoch)
+        if key is not None:
+            self.counters.tier_held += 1
+        return key is not None
+
+    def _eviction_epoch(self) -> int:
+        st = self.tree.stats
+        return st.evicted_kv_tokens + st.evicted_checkpoints
+
+    def forget(self, rid: str) -> None:
+        """``rid`` was admitted or left: its hold record goes (a retracted request is looked at again)."""
+        self._holds.pop(rid, None)
 
     def promote(self, tokens: Sequence[int], room: Optional[int] = None) -> None:
         """Bring the deepest boundary the lower tiers hold past the device's own restore point

@@ -30,7 +30,7 @@ copies that page's prefix slots to a page of the request's own (:meth:`prefix_de
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -456,6 +456,22 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         self.lifecycle.release(req.rid)
         self._consume_export(req)
         self._release_request_slot(req)
+
+    def held_back(self, queue: Sequence) -> list:
+        """The waiting requests, of the first ``TierBridge.HOLD_LOOKAHEAD`` in ``queue``, that
+        should stay queued at this scheduling call: each one's boundary is being copied up from
+        Mooncake into the host tier (:meth:`CacheLifecycle.held_for_tiers
+        <sglang_k3.cache.lifecycle.CacheLifecycle.held_for_tiers>`), so that its promotion does
+        not read the network on the scheduler's thread."""
+        bridge = self.lifecycle.bridge
+        if bridge is None:
+            return []
+        return [
+            req
+            for req in queue[: bridge.HOLD_LOOKAHEAD]
+            if not _request_namespaced(req)
+            and self.lifecycle.held_for_tiers(req.rid, [*req.origin_input_ids, *req.output_ids])
+        ]
 
     def match_not_admitted(self, req) -> None:
         """SGLang's prefill loop matched ``req`` (its hit pinned, its restore queued) and then did

@@ -9,6 +9,8 @@ In the order one scheduler iteration reaches them:
 ==========================================  =====================================================
 patch (upstream symbol)                      verb
 ==========================================  =====================================================
+``scheduler_hold_tier_loads``                :meth:`~SchedulerVerbs.held_back` (the waiting
+(``Scheduler._get_new_batch_prefill_raw``)   requests that sit out this admission)
 ``schedule_policy_waiting_refresh``          :meth:`SchedulerVerbs.waiting_queue_empty`,
 (``SchedulePolicy._touch_waiting_prefixes``) :meth:`~SchedulerVerbs.refresh_waiting_now`,
                                              :meth:`~SchedulerVerbs.eviction_refresh`
@@ -60,6 +62,11 @@ class SchedulerVerbs:
             self.cache.eviction_refresh = False
 
     # ---------------------------------------------------------------- admission
+    def held_back(self, queue: Sequence) -> list:
+        """The waiting requests to leave out of this scheduling call's admission: those whose
+        boundary is being copied up from a lower tier (:meth:`K3RadixCache.held_back`)."""
+        return self.cache.held_back(queue)
+
     def lookups(self) -> int:
         """The tree's lookup count (read around an admitting match to find its record)."""
         return self.cache.tree.stats.lookups

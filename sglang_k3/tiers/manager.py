@@ -123,9 +123,9 @@ class TierManager:
         self.counters = TierCounters()
         self.hits_by_tier = {s.name: 0 for s in self.stores}
         self.hit_tokens_by_tier = {s.name: 0 for s in self.stores}
-        # Prefetch (best effort, SGLang's default storage prefetch policy): a waiting request's
-        # boundary that lies in a lower tier is copied into the host tier by one background
-        # thread, so its admission loads from host memory; admission never waits for it.
+        # Prefetch: a waiting request's boundary that lies in a lower tier is copied into the
+        # host tier by one background thread, so its admission loads from host memory. The
+        # lifecycle holds the request back while that copy runs (TierBridge.held).
         self._executor = None
         self.write_queue_bytes = write_queue_bytes
         self._writer = None
@@ -316,17 +316,35 @@ class TierManager:
         """For a waiting request: start copying into the host tier (the first store) the parts of
         the deepest boundary past ``floor`` that only a lower tier holds. Returns whether a copy
         started (not when there is no host tier above another, nothing to copy, or one running)."""
+        return self._copy_up_deepest(tokens, floor, cap, device_kv)[1]
+
+    def copying_up(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[str]:
+        """:meth:`prefetch`, returning the key of the boundary whose copy into host memory runs
+        now (started by this call or an earlier one), or None when none runs for it."""
+        return self._copy_up_deepest(tokens, floor, cap, device_kv)[0]
+
+    def copy_running(self, key: str) -> bool:
+        """Whether the copy up of boundary ``key`` is still running (False once it landed or failed)."""
+        return key in self._inflight
+
+    def _copy_up_deepest(self, tokens, floor: int, cap: int, device_kv: int) -> tuple[Optional[str], bool]:
         host = self.stores[0]
         if len(self.stores) < 2 or host.name != "host" or cap <= floor:
-            return False
-        plan = self._find(tokens, floor, cap, device_kv)
-        if plan is None or plan.key in self._inflight:
-            return False
+            return None, False
+        t0 = time.perf_counter()
+        try:
+            plan = self._find(tokens, floor, cap, device_kv)
+        finally:
+            self.counters.find_seconds += time.perf_counter() - t0
+        if plan is None:
+            return None, False
+        if plan.key in self._inflight:
+            return plan.key, False
         parts = [(key, store) for _, key, store in plan.blocks if store is not host]
         if plan.store is not host:
             parts.append((plan.key, plan.store))  # the boundary last, as a save writes it
         if not parts:
-            return False
+            return None, False
         if self._executor is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -334,7 +352,7 @@ class TierManager:
         self._inflight[plan.key] = time.perf_counter()
         self.counters.prefetches += 1
         self._executor.submit(self._copy_up, host, plan.key, parts)
-        return True
+        return plan.key, True
 
     def _copy_up(self, host: TierStore, bkey: str, parts: list) -> None:
         t0 = time.perf_counter()

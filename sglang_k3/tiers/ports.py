@@ -65,7 +65,7 @@ class TierCounters:
     write_seconds: float = 0.0  # sealing and putting, in the writer thread (or inline when synchronous)
     lookups: int = 0  # admissions that looked below the device
     found: int = 0  # a boundary deeper than the device's was found
-    find_seconds: float = 0.0  # hashing the prompt and asking the tiers
+    find_seconds: float = 0.0  # hashing the prompt and asking the tiers (admission, holds and prefetches)
     loads: int = 0  # and restored
     load_tokens: int = 0  # tokens of prefix gained over the device's own restore point
     load_kv_tokens: int = 0  # KV tokens copied up
