@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         "every public method of the scheduler's tree_cache, outermost calls, thread CPU time, over run_batch calls); "
         "recorded per workload as cache_time",
     )
+    g.add_argument(
+        "--profile-cache",
+        action="store_true",
+        help="with --time-cache: also run cProfile inside each cache's outermost calls and write its tables beside "
+        "the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt); it slows those calls, so the "
+        "cache times of such a run are not the cache's",
+    )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
         "--out",
@@ -213,6 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.caches = [c.strip() for c in args.caches.split(",") if c.strip()]
     if any(c not in KNOWN_CACHES for c in args.caches) or not set(CACHES) <= set(args.caches):
         p.error(f"--caches: choose from {','.join(KNOWN_CACHES)}, with k3 and upstream; got {args.caches}")
+    if args.profile_cache and not args.time_cache:
+        p.error("--profile-cache profiles inside the cache timing: add --time-cache")
     if args.out is None:
         args.out = PRESSURE_OUT if args.pressure else DEFAULT_OUT
     if args.pressure:
@@ -563,7 +572,10 @@ def main(argv=None) -> int:
         from benchmarks.live import cache_timing
 
         path = cache_timing.SITE_DIR + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-        return {"PYTHONPATH": path, cache_timing.ENV: timing_dirs[c]}
+        env = {"PYTHONPATH": path, cache_timing.ENV: timing_dirs[c]}
+        if args.profile_cache:
+            env[cache_timing.PROFILE_ENV] = "1"
+        return env
 
     servers = {
         c: Server(

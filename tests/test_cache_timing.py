@@ -83,3 +83,36 @@ def test_read_sums_schedulers_and_per_step_takes_differences(tmp_path):
     assert d["cache_cpu_ms_per_step"] == 8_000_000 / 40 / 1e6 and d["cache_wall_ms_per_step"] == 10_000_000 / 40 / 1e6
     assert d["top_methods_cpu_ms"] == {"evict": 2.0}
     assert ct.per_step(tot, tot)["cache_cpu_ms_per_step"] is None  # no step between the two
+
+
+def test_the_profile_sees_inside_outermost_calls_only(tmp_path, monkeypatch):
+    """With ``SGLANG_K3_CACHE_PROFILE`` the outermost calls run under cProfile: what they call is
+    in the tables, what runs between them is not."""
+    import pstats
+
+    monkeypatch.setenv(ct.PROFILE_ENV, "1")
+    totals = ct._Totals(str(tmp_path))
+    c = Cache()
+    ct.wrap_cache(c, totals)
+
+    def outside_the_cache():
+        return sum(range(1000))
+
+    c.match_prefix(1)
+    outside_the_cache()
+    totals.write_profile()
+    base = os.path.join(str(tmp_path), f"scheduler_{os.getpid()}")
+    funcs = {f[2] for f in pstats.Stats(base + ".prof").stats}
+    assert {"match_prefix", "evict"} <= funcs and "outside_the_cache" not in funcs
+    with open(base + "_profile.txt") as f:
+        text = f.read()
+    assert "evict" in text and "cumulative" in text
+
+
+def test_without_the_profile_variable_nothing_is_profiled(tmp_path, monkeypatch):
+    monkeypatch.delenv(ct.PROFILE_ENV, raising=False)
+    totals = ct._Totals(str(tmp_path))
+    c = Cache()
+    ct.wrap_cache(c, totals)
+    c.match_prefix(1)
+    assert totals.profile is None and not any(n.endswith(".prof") for n in os.listdir(tmp_path))

@@ -14,6 +14,13 @@ itself would) and then:
 * every quarter second (a daemon thread), and at exit, writes ``{pid, steps, calls, cpu_ns, wall_ns,
   by_method}`` to ``SGLANG_K3_CACHE_TIMING_DIR/scheduler_<pid>.json`` (written whole, then renamed).
 
+With ``SGLANG_K3_CACHE_PROFILE`` set as well (``live_ab --profile-cache``), a ``cProfile`` runs
+inside the outermost calls only, so its tables say where the cache's own time goes, down to the
+torch calls it makes (a device read-back that waits on a stream shows as the time of ``tolist`` or
+``item``). Every two seconds, between calls, and at exit it writes ``scheduler_<pid>.prof``
+(``pstats``) and ``scheduler_<pid>_profile.txt`` (the top functions by cumulative and own time).
+It slows the calls it profiles, so the timings of a profiled run are not the cache's.
+
 :func:`read` sums the files of one server; the A/B takes the difference across a workload.
 Nothing in ``sglang_k3`` knows about this module.
 """
@@ -31,6 +38,8 @@ import time
 from typing import Callable
 
 ENV = "SGLANG_K3_CACHE_TIMING_DIR"
+PROFILE_ENV = "SGLANG_K3_CACHE_PROFILE"
+PROFILE_EVERY_S = 2.0
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_timing_site")
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 WRITE_EVERY_S = 0.25
@@ -45,6 +54,27 @@ class _Totals:
         self.wall_ns = 0
         self.by_method: dict[str, list[int]] = {}  # name -> [calls, cpu_ns]
         self.depth = threading.local()
+        self.profile = None  # a cProfile.Profile run inside the outermost calls (PROFILE_ENV)
+        self.profiled_at = 0.0
+        if os.environ.get(PROFILE_ENV):
+            import cProfile
+
+            self.profile = cProfile.Profile()
+
+    def write_profile(self) -> None:
+        """The profile so far, as pstats and as text (called between profiled calls only)."""
+        import io
+        import pstats
+
+        base = self.path[: -len(".json")]
+        self.profile.dump_stats(base + ".prof")
+        out = io.StringIO()
+        st = pstats.Stats(self.profile, stream=out)
+        st.sort_stats("cumulative").print_stats(40)
+        st.sort_stats("tottime").print_stats(25)
+        with open(base + "_profile.txt", "w") as f:
+            f.write(out.getvalue())
+        self.profiled_at = time.monotonic()
 
     def write(self) -> None:
         tmp = self.path + ".tmp"
@@ -69,10 +99,15 @@ def _timed(totals: _Totals, name: str, fn: Callable) -> Callable:
         if d:
             return fn(*args, **kwargs)
         totals.depth.n = 1
+        prof = totals.profile
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        if prof is not None:
+            prof.enable()
         try:
             return fn(*args, **kwargs)
         finally:
+            if prof is not None:
+                prof.disable()
             cpu = time.thread_time_ns() - c0
             totals.depth.n = 0
             totals.calls += 1
@@ -81,6 +116,8 @@ def _timed(totals: _Totals, name: str, fn: Callable) -> Callable:
             m = totals.by_method.setdefault(name, [0, 0])
             m[0] += 1
             m[1] += cpu
+            if prof is not None and time.monotonic() - totals.profiled_at > PROFILE_EVERY_S:
+                totals.write_profile()
 
     return wrapper
 
@@ -115,6 +152,8 @@ def _patch_scheduler(module, out_dir: str) -> None:
         print(f"[cache timing] {type(self.tree_cache).__name__}: {n} methods timed -> {totals.path}", file=sys.stderr)
         totals.write()
         atexit.register(totals.write)
+        if totals.profile is not None:
+            atexit.register(totals.write_profile)
 
         def writer() -> None:
             while True:

@@ -85,6 +85,7 @@ class TierPort(Protocol):
     ``write_through_selective``)."""
 
     write_policy: str
+    copies_up: bool  # a host tier sits above another tier (what the hold and the prefetch need)
 
     def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
         """Copy the boundary after ``pos`` (its state ``handle``, the KV ``kv`` of ``tokens``) down."""

@@ -157,6 +157,8 @@ class TierBridge:
         up (as :meth:`prefetch`). The request is held while that copy runs, at most
         :attr:`HOLD_LIMIT_S`; its promotion at admission then reads host memory. Between
         evictions nothing is looked up again."""
+        if not self.tiers.copies_up:
+            return False
         hold = self._holds.get(rid)
         epoch = self._eviction_epoch()
         if hold is not None:

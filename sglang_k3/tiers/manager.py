@@ -323,13 +323,19 @@ class TierManager:
         now (started by this call or an earlier one), or None when none runs for it."""
         return self._copy_up_deepest(tokens, floor, cap, device_kv)[0]
 
+    @property
+    def copies_up(self) -> bool:
+        """Whether a lower tier's objects can be copied up into host memory: a host tier sits
+        above another tier."""
+        return len(self.stores) >= 2 and self.stores[0].name == "host"
+
     def copy_running(self, key: str) -> bool:
         """Whether the copy up of boundary ``key`` is still running (False once it landed or failed)."""
         return key in self._inflight
 
     def _copy_up_deepest(self, tokens, floor: int, cap: int, device_kv: int) -> tuple[Optional[str], bool]:
         host = self.stores[0]
-        if len(self.stores) < 2 or host.name != "host" or cap <= floor:
+        if not self.copies_up or cap <= floor:
             return None, False
         t0 = time.perf_counter()
         try:
