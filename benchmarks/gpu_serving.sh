@@ -31,6 +31,8 @@
 #   spec          benchmarks.spec_ab (NGRAM speculative decoding, issue 34): k3 with and without it,
 #                 upstream with it (extra_buffer), cache off with it; greedy mismatches against k3
 #                 are informational in bf16 (the noise floor: two cache-off servers disagree too).
+#   profile       the ab phase's pressure run with k3 and upstream only, each cache's calls under cProfile
+#                 (live_ab --profile-cache): where the k3 cache's time per scheduling step goes.
 #   tiermoves     benchmarks/gpu_tier_moves.py (no server): the tier's saves and loads against a plain
 #                 pinned copy, the writer thread's section included (the host-link fraction of issue
 #                 32). It needs the installed project (setup.py maps sglang_k3.kernels in), which is
@@ -40,7 +42,7 @@
 # Each phase keeps its own harness timeouts under the device's 600 s per call (ND_TIMEOUT for the
 # differentials), so that the archive is always written.
 set -u
-PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe|spec|tiermoves}
+PHASE=${1:?usage: bash benchmarks/gpu_serving.sh all|differential|ab|det|probe|spec|profile|tiermoves}
 OUT=${OUT:?OUT must name the output folder (the device sets it)}
 # results gather here and come back as one archive, $OUT/PHASE.tar.gz (the device returns 8 files)
 RES=/tmp/res/$PHASE
@@ -180,6 +182,19 @@ spec)
   echo "spec_ab exit $?"
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
+profile)
+  # where each cache's time goes on the GPU: the ab phase's pressure run, k3 and upstream only,
+  # with cProfile inside every cache call (live_ab --profile-cache; its cache times are inflated,
+  # its tables are the point: LOG_DIR/cache_timing_*/scheduler_*_profile.txt and .prof)
+  COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 --max-total-tokens 24576 --max-mamba-cache-size 24 ${AB_EXTRA:-}"
+  MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
+  timeout ${PROFILE_TIMEOUT:-330} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream \
+    --greedy-informational --time-cache --profile-cache --extra-server-args "$COMMON" \
+    --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 \
+    --mt-system-len 512 --out "$RES/pressure" --log-dir "$RES/logs" --quiet
+  echo "live_ab (profiled pressure) exit $?"
+  pkill -f sglang_k3.launch_server; sleep 2
+  ;;
 tiermoves)
   timeout ${GTM_TIMEOUT:-300} python3 "$REPO/benchmarks/gpu_tier_moves.py" --out "$RES/gtm" ${GTM_ARGS:-}
   echo "gpu_tier_moves exit $?"
@@ -189,7 +204,7 @@ tiermoves)
   echo "gpu_tier_moves (long) exit $?"
   ;;
 *)
-  echo "unknown phase $PHASE (all, differential, ab, det, probe, spec, tiermoves)"
+  echo "unknown phase $PHASE (all, differential, ab, det, probe, spec, profile, tiermoves)"
   exit 2
   ;;
 esac
