@@ -85,9 +85,10 @@ def test_read_sums_schedulers_and_per_step_takes_differences(tmp_path):
     assert ct.per_step(tot, tot)["cache_cpu_ms_per_step"] is None  # no step between the two
 
 
-def test_the_profile_sees_inside_outermost_calls_only(tmp_path, monkeypatch):
-    """With ``SGLANG_K3_CACHE_PROFILE`` the outermost calls run under cProfile: what they call is
-    in the tables, what runs between them is not."""
+def test_the_profile_covers_the_thread_with_nested_times(tmp_path, monkeypatch):
+    """With ``SGLANG_K3_CACHE_PROFILE`` the scheduler thread runs under cProfile from the scheduler's
+    start: the cache's calls and what runs between them are in the tables, an outer call's
+    inclusive time holds the calls it makes, and profiling goes on after each write."""
     import pstats
 
     monkeypatch.setenv(ct.PROFILE_ENV, "1")
@@ -98,12 +99,21 @@ def test_the_profile_sees_inside_outermost_calls_only(tmp_path, monkeypatch):
     def outside_the_cache():
         return sum(range(1000))
 
-    c.match_prefix(1)
-    outside_the_cache()
-    totals.write_profile()
+    totals.start_profile()
+    try:
+        c.match_prefix(2)
+        outside_the_cache()
+        totals.write_profile()
+        c.evict(1)
+        totals.write_profile()
+    finally:
+        totals.profile.disable()
     base = os.path.join(str(tmp_path), f"scheduler_{os.getpid()}")
-    funcs = {f[2] for f in pstats.Stats(base + ".prof").stats}
-    assert {"match_prefix", "evict"} <= funcs and "outside_the_cache" not in funcs
+    stats = {f[2]: v for f, v in pstats.Stats(base + ".prof").stats.items()}
+    assert {"match_prefix", "evict", "outside_the_cache"} <= set(stats)
+    _, calls, own, cum, _ = stats["evict"]
+    assert calls == 2 and cum >= 0.004  # both calls, the second after the first write: 2 + 4 ms spun
+    assert stats["match_prefix"][3] >= 0.004 * 0.9 and stats["match_prefix"][3] >= stats["match_prefix"][2]
     with open(base + "_profile.txt") as f:
         text = f.read()
     assert "evict" in text and "cumulative" in text

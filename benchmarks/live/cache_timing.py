@@ -15,14 +15,13 @@ itself would) and then:
   by_method}`` to ``SGLANG_K3_CACHE_TIMING_DIR/scheduler_<pid>.json`` (written whole, then renamed).
 
 With ``SGLANG_K3_CACHE_PROFILE`` set as well (``live_ab --profile-cache``), a ``cProfile`` runs
-inside the outermost calls only, so its tables say where the cache's own time goes, down to the
-torch calls it makes (a device read-back that waits on a stream shows as the time of ``tolist`` or
-``item``). Every two seconds, between calls, and at exit it writes ``scheduler_<pid>.prof``
-(``pstats``) and ``scheduler_<pid>_profile.txt`` (the top functions by cumulative and own time).
-It slows the calls it profiles, so the timings of a profiled run are not the cache's.
-
-:func:`read` sums the files of one server; the A/B takes the difference across a workload.
-Nothing in ``sglang_k3`` knows about this module.
+over the whole scheduler from the end of ``Scheduler.__init__`` (its thread; from Python 3.12,
+where cProfile rides on ``sys.monitoring``, every thread of the process): the cache's calls and
+everything SGLang does around them (the allocators the scheduler calls directly included), with
+inclusive times that nest. Every two seconds, at the end of a cache call, and at exit it writes
+``scheduler_<pid>.prof`` (``pstats``) and ``scheduler_<pid>_profile.txt`` (the top functions by
+cumulative and by own time, and the cache's and allocators' functions). It slows the whole
+scheduler, so the timings of a profiled run are not the server's.
 """
 
 from __future__ import annotations
@@ -40,6 +39,8 @@ from typing import Callable
 ENV = "SGLANG_K3_CACHE_TIMING_DIR"
 PROFILE_ENV = "SGLANG_K3_CACHE_PROFILE"
 PROFILE_EVERY_S = 2.0
+# the third table: the caches' and the KV allocators' own files
+PROFILE_FOCUS = r"k3_cache|radix_cache|unified_memory|allocator|sglang_k3"
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache_timing_site")
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 WRITE_EVERY_S = 0.25
@@ -54,27 +55,38 @@ class _Totals:
         self.wall_ns = 0
         self.by_method: dict[str, list[int]] = {}  # name -> [calls, cpu_ns]
         self.depth = threading.local()
-        self.profile = None  # a cProfile.Profile run inside the outermost calls (PROFILE_ENV)
+        self.profile = None  # a cProfile.Profile of the scheduler thread (PROFILE_ENV, start_profile)
         self.profiled_at = 0.0
         if os.environ.get(PROFILE_ENV):
             import cProfile
 
             self.profile = cProfile.Profile()
 
+    def start_profile(self) -> None:
+        """Profile the calling thread (the scheduler's) from now on."""
+        self.profile.enable()
+        self.profiled_at = time.monotonic()
+
     def write_profile(self) -> None:
-        """The profile so far, as pstats and as text (called between profiled calls only)."""
+        """The profile so far, as pstats and as text; profiling goes on afterwards."""
         import io
         import pstats
 
-        base = self.path[: -len(".json")]
-        self.profile.dump_stats(base + ".prof")
-        out = io.StringIO()
-        st = pstats.Stats(self.profile, stream=out)
-        st.sort_stats("cumulative").print_stats(40)
-        st.sort_stats("tottime").print_stats(25)
-        with open(base + "_profile.txt", "w") as f:
-            f.write(out.getvalue())
-        self.profiled_at = time.monotonic()
+        prof = self.profile
+        prof.disable()
+        try:
+            base = self.path[: -len(".json")]
+            prof.dump_stats(base + ".prof")
+            out = io.StringIO()
+            st = pstats.Stats(prof, stream=out)
+            st.sort_stats("cumulative").print_stats(40)
+            st.sort_stats("tottime").print_stats(25)
+            st.sort_stats("cumulative").print_stats(PROFILE_FOCUS, 40)
+            with open(base + "_profile.txt", "w") as f:
+                f.write(out.getvalue())
+        finally:
+            self.profiled_at = time.monotonic()
+            prof.enable()
 
     def write(self) -> None:
         tmp = self.path + ".tmp"
@@ -99,15 +111,10 @@ def _timed(totals: _Totals, name: str, fn: Callable) -> Callable:
         if d:
             return fn(*args, **kwargs)
         totals.depth.n = 1
-        prof = totals.profile
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-        if prof is not None:
-            prof.enable()
         try:
             return fn(*args, **kwargs)
         finally:
-            if prof is not None:
-                prof.disable()
             cpu = time.thread_time_ns() - c0
             totals.depth.n = 0
             totals.calls += 1
@@ -116,7 +123,7 @@ def _timed(totals: _Totals, name: str, fn: Callable) -> Callable:
             m = totals.by_method.setdefault(name, [0, 0])
             m[0] += 1
             m[1] += cpu
-            if prof is not None and time.monotonic() - totals.profiled_at > PROFILE_EVERY_S:
+            if totals.profile is not None and time.monotonic() - totals.profiled_at > PROFILE_EVERY_S:
                 totals.write_profile()
 
     return wrapper
@@ -154,6 +161,7 @@ def _patch_scheduler(module, out_dir: str) -> None:
         atexit.register(totals.write)
         if totals.profile is not None:
             atexit.register(totals.write_profile)
+            totals.start_profile()  # this thread runs the scheduler's event loop next
 
         def writer() -> None:
             while True:
