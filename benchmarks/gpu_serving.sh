@@ -129,11 +129,14 @@ ab)
   # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
   # multiturn (conversations that branch at their third turn) and the trace slice only.
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run;
-  # AB_PROFILE=1 adds --profile-cache (cProfile tables of each cache's calls beside its timing files;
-  # the cache times of that run are then not the cache's).
+  # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
+  # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (on by
+  # default here: a fresh GPU server compiles and first-launches its Triton kernels in the warm
+  # pass, not in the measured one; GPU_NOTES.md, ninth session).
+  WARM=$([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass)
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
-    --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} --extra-server-args "$COMMON" --workloads multiturn,trace \
+    --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads multiturn,trace \
     $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
     --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
     --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
@@ -143,7 +146,7 @@ ab)
     # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and
     # upstream's KV + state pools hold the same bytes), well under what the prefixes need
     timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
-      --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
+      --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
       --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
       --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
     echo "live_ab (pressure) exit $?"
@@ -189,7 +192,7 @@ profile)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 --max-total-tokens 24576 --max-mamba-cache-size 24 ${AB_EXTRA:-}"
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   timeout ${PROFILE_TIMEOUT:-330} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream \
-    --greedy-informational --time-cache --profile-cache --extra-server-args "$COMMON" \
+    --greedy-informational --time-cache --profile-cache $([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass) --extra-server-args "$COMMON" \
     --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 \
     --mt-system-len 512 --out "$RES/pressure" --log-dir "$RES/logs" --quiet
   echo "live_ab (profiled pressure) exit $?"

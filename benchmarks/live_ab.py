@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1, help="seed of the synthetic prompts (same for both caches)")
     g.add_argument("--quiet", action="store_true", help="no per-request progress lines")
     g.add_argument(
+        "--warm-pass",
+        action="store_true",
+        help="before the measured workloads, each server answers the multiturn workload once with other prompts "
+        "(seed + 1000) and its cache is flushed: a fresh GPU server compiles and first-launches its Triton kernels "
+        "then, not inside the measured pass (GPU_NOTES.md, ninth session). A lower tier keeps what the warm pass "
+        "saved; nothing of it matches the measured prompts",
+    )
+    g.add_argument(
         "--pressure",
         action="store_true",
         help="memory-pressure mode: both servers get the same small budget (" + PRESSURE_BUDGET + "), "
@@ -464,6 +472,9 @@ def k3_memory(url: str) -> dict:
     return {k: v for k, v in st.items() if k.startswith("memory_")}
 
 
+WARM_PASS_SEED_OFFSET = 1000  # --warm-pass: its prompts share nothing with the measured ones
+
+
 def warm_up(srv, vocab: list) -> None:
     """Two short requests so first-request costs (lazy init, allocator growth) do not land in a
     workload, then a flush."""
@@ -524,7 +535,8 @@ def main(argv=None) -> int:
         print("nothing to run: every selected workload was skipped", file=sys.stderr)
         return 2
 
-    def run_one(w, s, c):
+    def run_one(w, s, c, seed=None):
+        seed = args.seed if seed is None else seed
         if w == "gsp":
             return wl.run_bench_serving(
                 s.url,
@@ -536,7 +548,7 @@ def main(argv=None) -> int:
                 question_len=args.gsp_question_len,
                 output_len=args.gsp_output_len,
                 concurrency=args.gsp_concurrency,
-                seed=args.seed,
+                seed=seed,
                 log_dir=log_dir,
                 verbose=not args.quiet,
             )
@@ -551,7 +563,7 @@ def main(argv=None) -> int:
                 first_len=args.mt_first_len,
                 user_len=args.mt_user_len,
                 reply_len=args.mt_reply_len,
-                seed=args.seed,
+                seed=seed,
                 verbose=not args.quiet,
                 branches=args.mt_branches,
                 fork_at=args.mt_fork_at,
@@ -600,6 +612,11 @@ def main(argv=None) -> int:
             s.wait_healthy()
             say(f"  {c} healthy after {s.start_seconds:.0f}s; warming up")
             warm_up(s, vocab)
+        if args.warm_pass:
+            for c, s in servers.items():
+                say(f"  {c}: a warm pass of multiturn with seed {args.seed + WARM_PASS_SEED_OFFSET} (not measured)")
+                run_one("multiturn", s, c, seed=args.seed + WARM_PASS_SEED_OFFSET)
+                s.flush_cache()
         for wi, w in enumerate(workloads):
             order = args.caches if wi % 2 == 0 else args.caches[::-1]  # alternate who goes first
             for c in order:
@@ -675,6 +692,7 @@ def main(argv=None) -> int:
             "multiturn": {k[3:]: v for k, v in vars(args).items() if k.startswith("mt_")},
             "trace": (trace_slice.description | {"concurrency": args.trace_concurrency}) if trace_slice else None,
             "seed": args.seed,
+            "warm_pass": args.warm_pass,
             "ttft": "client-side, request sent -> first streamed token (gsp: bench_serving's own TTFT)",
             "output_tok_per_s": "output tokens of the workload / its wall time",
             "order": "one server at a time; the first cache alternates per workload (record field 'order')",

@@ -207,6 +207,7 @@ def test_live_ab_end_to_end(tmp_path):
         "--caches",
         "k3,upstream,off",
         "--time-cache",
+        "--warm-pass",  # each server answers multiturn once with other prompts first: not in the records
         *SMALL,
     ]
     k3_args = _k3_fp32_args()
@@ -217,6 +218,7 @@ def test_live_ab_end_to_end(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert (out / "live_ab.png").stat().st_size > 1000
     assert res["schema"] == live_ab.SCHEMA
+    assert res["settings"]["warm_pass"] is True
     for key in ("command", "runtime_s", "machine", "git", "settings", "records", "ratios", "greedy", "skipped"):
         assert key in res
     for c in ("k3", "upstream"):  # the two servers differ only in the cache backend (+ the k3 oracle flag)
