@@ -31,8 +31,8 @@
 #   spec          benchmarks.spec_ab (NGRAM speculative decoding, issue 34): k3 with and without it,
 #                 upstream with it (extra_buffer), cache off with it; greedy mismatches against k3
 #                 are informational in bf16 (the noise floor: two cache-off servers disagree too).
-#   profile       the ab phase's pressure run with k3 and upstream only, each cache's calls under cProfile
-#                 (live_ab --profile-cache): where the k3 cache's time per scheduling step goes.
+#   profile       the ab phase's pressure run with k3 and upstream only, each scheduler under cProfile
+#                 (live_ab --profile-cache): where the time per scheduling step goes.
 #   tiermoves     benchmarks/gpu_tier_moves.py (no server): the tier's saves and loads against a plain
 #                 pinned copy, the writer thread's section included (the host-link fraction of issue
 #                 32). It needs the installed project (setup.py maps sglang_k3.kernels in), which is
@@ -100,6 +100,10 @@ KERNELS="--dtype bfloat16 --attention-backend triton --sampling-backend pytorch"
 # a whole device call; its reports are counted per server log at the end (idle_leak_reports.txt,
 # 0 expected). It found extra_buffer's ping-pong slots left allocated under k3 (now refused).
 export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0
+# The A/B phases (ab, profile) answer a warm pass first (live_ab --warm-pass; AB_WARM=0 drops it):
+# a fresh GPU server compiles and first-launches its Triton kernels there, not in the measured
+# pass (GPU_NOTES.md, ninth session).
+WARM=$([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass)
 
 case $PHASE in
 all)
@@ -130,10 +134,7 @@ ab)
   # multiturn (conversations that branch at their third turn) and the trace slice only.
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run;
   # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
-  # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (on by
-  # default here: a fresh GPU server compiles and first-launches its Triton kernels in the warm
-  # pass, not in the measured one; GPU_NOTES.md, ninth session).
-  WARM=$([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass)
+  # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (above).
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
     --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads multiturn,trace \
@@ -186,13 +187,13 @@ spec)
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
 profile)
-  # where each cache's time goes on the GPU: the ab phase's pressure run, k3 and upstream only,
-  # with cProfile inside every cache call (live_ab --profile-cache; its cache times are inflated,
-  # its tables are the point: LOG_DIR/cache_timing_*/scheduler_*_profile.txt and .prof)
+  # where the time per step goes on the GPU: the ab phase's pressure run, k3 and upstream only,
+  # each scheduler under cProfile (live_ab --profile-cache; its times are inflated, its tables are
+  # the point: LOG_DIR/cache_timing_*/scheduler_*_profile.txt and .prof)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 --max-total-tokens 24576 --max-mamba-cache-size 24 ${AB_EXTRA:-}"
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   timeout ${PROFILE_TIMEOUT:-330} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream \
-    --greedy-informational --time-cache --profile-cache $([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass) --extra-server-args "$COMMON" \
+    --greedy-informational --time-cache --profile-cache $WARM --extra-server-args "$COMMON" \
     --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 \
     --mt-system-len 512 --out "$RES/pressure" --log-dir "$RES/logs" --quiet
   echo "live_ab (profiled pressure) exit $?"

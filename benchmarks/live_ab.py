@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--profile-cache",
         action="store_true",
-        help="with --time-cache: also run cProfile inside each cache's outermost calls and write its tables beside "
-        "the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt); it slows those calls, so the "
-        "cache times of such a run are not the cache's",
+        help="with --time-cache: also run cProfile over each server's whole scheduler from its start and write its "
+        "tables beside the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt); it slows the "
+        "scheduler, so the times of such a run are not the server's",
     )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
@@ -229,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(c not in KNOWN_CACHES for c in args.caches) or not set(CACHES) <= set(args.caches):
         p.error(f"--caches: choose from {','.join(KNOWN_CACHES)}, with k3 and upstream; got {args.caches}")
     if args.profile_cache and not args.time_cache:
-        p.error("--profile-cache profiles inside the cache timing: add --time-cache")
+        p.error("--profile-cache runs with the cache timing: add --time-cache")
     if args.out is None:
         args.out = PRESSURE_OUT if args.pressure else DEFAULT_OUT
     if args.pressure:

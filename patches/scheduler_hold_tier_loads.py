@@ -36,10 +36,9 @@ def hold_tier_loads(original, self, *args, **kwargs):
     held = []
     if verbs is not None and queue:
         running = kwargs.get("running_batch") or self.running_batch
-        # only the requests this call could admit (the free request rows, as the loop counts
-        # them) are looked at: each lookup may ask Mooncake
+        # the free request rows, as the loop counts them: the cache looks only at as many
         room = self.get_num_allocatable_reqs(len(running.reqs), running_batch=running)
-        held = verbs.held_back(queue[: max(1, room)])
+        held = verbs.held_back(queue, room)
     if not held:
         return original(self, *args, **kwargs)
     held_ids = {id(r) for r in held}

@@ -57,8 +57,9 @@ class TierBridge:
     # hangs (a lower tier that stopped answering) must not keep a request waiting for ever.
     HOLD_LIMIT_S = 10.0
     _HOLDS_KEPT = 4096  # hold records kept for requests that left without being admitted
-    # Waiting requests looked at per scheduling call, from the queue's head: the ones admission
-    # reaches first (each lookup past the device asks Mooncake which objects it has).
+    # At most this many waiting requests are looked at per scheduling call, from the queue's head
+    # (fewer when the call can admit fewer): each lookup past the device asks Mooncake which
+    # objects it has.
     HOLD_LOOKAHEAD = 16
 
     def __init__(

@@ -457,10 +457,11 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         self._consume_export(req)
         self._release_request_slot(req)
 
-    def held_back(self, queue: Sequence) -> list:
-        """The waiting requests, of the first ``TierBridge.HOLD_LOOKAHEAD`` in ``queue``, that
-        should stay queued at this scheduling call: each one's boundary is being copied up from
-        Mooncake into the host tier (:meth:`CacheLifecycle.held_for_tiers
+    def held_back(self, queue: Sequence, room: int) -> list:
+        """The waiting requests that should stay queued at this scheduling call, which can admit
+        ``room`` more: of the first ``room`` in ``queue`` (at least one, at most
+        ``TierBridge.HOLD_LOOKAHEAD``: each lookup may ask Mooncake), those whose boundary is
+        being copied up from Mooncake into the host tier (:meth:`CacheLifecycle.held_for_tiers
         <sglang_k3.cache.lifecycle.CacheLifecycle.held_for_tiers>`), so that its promotion does
         not read the network on the scheduler's thread."""
         bridge = self.lifecycle.bridge
@@ -468,7 +469,7 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
             return []
         return [
             req
-            for req in queue[: bridge.HOLD_LOOKAHEAD]
+            for req in queue[: max(1, min(room, bridge.HOLD_LOOKAHEAD))]
             if not _request_namespaced(req)
             and self.lifecycle.held_for_tiers(req.rid, [*req.origin_input_ids, *req.output_ids])
         ]

@@ -62,10 +62,11 @@ class SchedulerVerbs:
             self.cache.eviction_refresh = False
 
     # ---------------------------------------------------------------- admission
-    def held_back(self, queue: Sequence) -> list:
-        """The waiting requests to leave out of this scheduling call's admission: those whose
-        boundary is being copied up from a lower tier (:meth:`K3RadixCache.held_back`)."""
-        return self.cache.held_back(queue)
+    def held_back(self, queue: Sequence, room: int) -> list:
+        """The waiting requests to leave out of this scheduling call's admission, which can admit
+        ``room`` more: those whose boundary is being copied up from a lower tier
+        (:meth:`K3RadixCache.held_back`)."""
+        return self.cache.held_back(queue, room)
 
     def lookups(self) -> int:
         """The tree's lookup count (read around an admitting match to find its record)."""
