@@ -17,6 +17,11 @@ admit (``get_num_allocatable_reqs``, the loop's own bound), those the k3 cache h
 (``SchedulerVerbs.held_back``: their copy up runs, for at most 10 s) are taken out of
 ``waiting_queue`` for the call and put back after it in their places, so the others are admitted
 meanwhile; the held request is admitted at a later call, once its boundary is in host memory.
+When that leaves the call nothing to admit and nothing runs, the scheduler would go straight to its
+next iteration and spin, taking the GIL from the prefetch thread doing the copy at every switch
+interval (SGLang's ``on_idle`` yields the GIL only for its own storage tiers, ``time.sleep(0)``
+under ``enable_hicache_storage``); so it waits there until a copy lands, at most 5 ms
+(``SchedulerVerbs.idle_while_held``).
 With another cache, or no lower tier, nothing changes.
 """
 
@@ -44,7 +49,10 @@ def hold_tier_loads(original, self, *args, **kwargs):
     held_ids = {id(r) for r in held}
     self.waiting_queue = [r for r in queue if id(r) not in held_ids]
     try:
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)  # (the new batch or None, the running batch)
+        if out[0] is None and out[1].is_empty():
+            verbs.idle_while_held()
+        return out
     finally:
         # the call removed the requests it admitted and may have appended some (retracted,
         # grammar-ready): keep the order the queue had, then what was appended

@@ -67,6 +67,8 @@ def test_a_prefix_computed_on_one_instance_is_restored_on_the_other(fleet):
     # into host memory, and the admission restored it from there, not over the network
     # (patches/scheduler_hold_tier_loads.py; without the hold the load reads Mooncake)
     assert after["tier_held"] == before["tier_held"] + 1, str({k: v for k, v in after.items() if k.startswith("tier")})
+    # it was all B had to run: its scheduler waited for the copy instead of spinning
+    assert after["tier_hold_waits"] > before["tier_hold_waits"]
     assert after["tier_host_hits"] == before["tier_host_hits"] + 1
     assert after["tier_prefetch_hits"] == before["tier_prefetch_hits"] + 1
     assert after["tier_l3_hits"] == before["tier_l3_hits"]

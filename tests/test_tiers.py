@@ -564,3 +564,44 @@ def test_a_held_request_is_let_go_when_its_copy_up_hangs():
     finally:
         l3.gate.set()
     assert b.tiers.wait_prefetches()
+
+
+def test_a_scheduler_with_only_held_requests_waits_for_the_copy_up_not_the_full_timeout():
+    """``TierBridge.wait_held`` (what the hold patch calls when the held requests are all the
+    scheduler has): while the copy up runs it waits out its bound, and a copy that lands wakes
+    it at once, on the copying thread's signal, not at the next poll."""
+    import threading
+    import time
+
+    from benchmarks.policies.tiers import ModelledStore
+
+    class Stalled(ModelledStore):
+        gate = threading.Event()
+
+        def get(self, key):
+            assert self.gate.wait(30), "the test never opened the gate"
+            return super().get(key)
+
+    l3 = _l3(Stalled)
+    _, b, trace = _two_instances(l3)
+    lc, bridge = b.lifecycle, b.lifecycle.bridge
+    key = trace.prompt(0) + [5555]
+    try:
+        assert lc.held_for_tiers("r", key)
+        copying = bridge._holds["r"][0]  # the boundary whose copy up holds it
+        assert b.tiers.copy_running(copying)
+        t0 = time.perf_counter()
+        assert not b.tiers.wait_copy_up(0.05)  # the copy is stuck at the gate: the bound
+        assert time.perf_counter() - t0 >= 0.045
+        bridge.HOLD_IDLE_WAIT_S = 30.0
+        threading.Timer(0.05, l3.gate.set).start()
+        t0 = time.perf_counter()
+        lc.wait_for_tiers()  # returns when the copy lands, long before 30 s
+        assert time.perf_counter() - t0 < 10
+        assert bridge.counters.tier_hold_waits == 1
+        assert not b.tiers.copy_running(copying)
+    finally:
+        l3.gate.set()
+    assert b.tiers.wait_prefetches()
+    assert not lc.held_for_tiers("r", key)  # landed: let through
+    assert b.tiers.wait_copy_up(0.0)  # nothing runs: returns at once

@@ -172,6 +172,12 @@ class CacheLifecycle(EvictionVerbs):
         <sglang_k3.cache.tier_bridge.TierBridge.held>`). False without lower tiers."""
         return self.bridge is not None and self.bridge.held(rid, tokens)
 
+    def wait_for_tiers(self) -> None:
+        """Only held requests wait and nothing runs: wait briefly for a copy up to land
+        (:meth:`TierBridge.wait_held <sglang_k3.cache.tier_bridge.TierBridge.wait_held>`)."""
+        if self.bridge is not None:
+            self.bridge.wait_held()
+
     def release_pin(self, rid: str) -> None:
         """The request's copy-on-write has landed (or will never run): its checkpoint may go."""
         self.store.cancel_restore(rid)  # a restore not run by now is not wanted any more
@@ -459,6 +465,7 @@ class CacheLifecycle(EvictionVerbs):
             tier_held_seconds=self.bridge.counters.tier_held_seconds if self.bridge else 0.0,
             tier_held_expired=self.bridge.counters.tier_held_expired if self.bridge else 0,
             tier_hold_lookups=self.bridge.counters.tier_hold_lookups if self.bridge else 0,
+            tier_hold_waits=self.bridge.counters.tier_hold_waits if self.bridge else 0,
         )
         d.update(self.tree.misses.as_dict())
         d.update((self.tree.reuse or ReuseLearner()).as_dict())

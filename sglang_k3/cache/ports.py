@@ -105,6 +105,9 @@ class TierPort(Protocol):
     def copy_running(self, key: str) -> bool:
         """Whether the copy up of boundary ``key`` is still running."""
 
+    def wait_copy_up(self, timeout: float) -> bool:
+        """Block (releasing the GIL) until some copy up ends, at most ``timeout`` seconds."""
+
     def load(self, plan: TierPlan, new_kv: Sequence[int], handle: int) -> Optional[int]:
         """Write the planned boundary's KV into ``new_kv`` and its state into ``handle``; the
         boundary's checkpoint kind, or None when a part is missing or invalid (nothing kept)."""

@@ -49,6 +49,7 @@ class BridgeCounters:
     tier_held_seconds: float = 0.0  # how long, summed over them (until the copy landed or failed)
     tier_held_expired: int = 0  # of them, let go after HOLD_LIMIT_S with the copy still running
     tier_hold_lookups: int = 0  # lower-tier lookups made to decide whether to hold a waiting request
+    tier_hold_waits: int = 0  # scheduler calls that had only held requests and waited for a copy (wait_held)
 
 
 class TierBridge:
@@ -61,6 +62,9 @@ class TierBridge:
     # (fewer when the call can admit fewer): each lookup past the device asks Mooncake which
     # objects it has.
     HOLD_LOOKAHEAD = 16
+    # When held requests are all a scheduling call has (nothing admitted, nothing running), the
+    # scheduler waits this long at most for a copy up to land before its next iteration.
+    HOLD_IDLE_WAIT_S = 0.005
 
     def __init__(
         self,
@@ -190,6 +194,15 @@ class TierBridge:
         if key is not None:
             self.counters.tier_held += 1
         return key is not None
+
+    def wait_held(self) -> None:
+        """The scheduler has nothing to run but requests :meth:`held` keeps back: wait until a copy
+        up lands, at most :attr:`HOLD_IDLE_WAIT_S`, without the GIL. Its loop would otherwise
+        spin, and a spinning thread takes the GIL from the prefetch thread doing the copy every
+        switch interval (SGLang yields the GIL in that loop only for its own storage tiers:
+        ``Scheduler.on_idle``'s ``time.sleep(0)`` under ``enable_hicache_storage``)."""
+        self.counters.tier_hold_waits += 1
+        self.tiers.wait_copy_up(self.HOLD_IDLE_WAIT_S)
 
     def _eviction_epoch(self) -> int:
         st = self.tree.stats

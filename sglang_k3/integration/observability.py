@@ -179,6 +179,7 @@ COUNTERS: dict[str, str] = {
     "tier_held_seconds": "Lower tiers: seconds those requests were held, summed (until the copy landed or failed).",
     "tier_held_expired": "Lower tiers: held requests let go after 10 s with their copy still running.",
     "tier_hold_lookups": "Lower tiers: lookups deciding whether to hold a waiting request (at first, after evictions).",
+    "tier_hold_waits": "Lower tiers: scheduling calls with only held requests that waited (<= 5 ms) for a copy up.",
     "tier_prefetch_bytes": "Lower tiers: bytes those copies moved up.",
     "tier_prefetch_seconds": "Lower tiers: seconds the prefetch thread spent copying.",
     "tier_prefetch_failures": "Lower tiers: prefetches that found a part gone or the host tier full.",

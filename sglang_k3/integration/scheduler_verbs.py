@@ -10,7 +10,8 @@ In the order one scheduler iteration reaches them:
 patch (upstream symbol)                      verb
 ==========================================  =====================================================
 ``scheduler_hold_tier_loads``                :meth:`~SchedulerVerbs.held_back` (the waiting
-(``Scheduler._get_new_batch_prefill_raw``)   requests that sit out this admission)
+(``Scheduler._get_new_batch_prefill_raw``)   requests that sit out this admission),
+                                             :meth:`~SchedulerVerbs.idle_while_held`
 ``schedule_policy_waiting_refresh``          :meth:`SchedulerVerbs.waiting_queue_empty`,
 (``SchedulePolicy._touch_waiting_prefixes``) :meth:`~SchedulerVerbs.refresh_waiting_now`,
                                              :meth:`~SchedulerVerbs.eviction_refresh`
@@ -67,6 +68,12 @@ class SchedulerVerbs:
         ``room`` more: those whose boundary is being copied up from a lower tier
         (:meth:`K3RadixCache.held_back`)."""
         return self.cache.held_back(queue, room)
+
+    def idle_while_held(self) -> None:
+        """The call admitted nothing, nothing runs, and requests are held back: wait a moment for
+        their copies up instead of spinning (:meth:`CacheLifecycle.wait_for_tiers
+        <sglang_k3.cache.lifecycle.CacheLifecycle.wait_for_tiers>`)."""
+        self.cache.lifecycle.wait_for_tiers()
 
     def lookups(self) -> int:
         """The tree's lookup count (read around an admitting match to find its record)."""

@@ -133,6 +133,7 @@ class TierManager:
         self._writing_bytes = 0
         self._write_lock = threading.Lock()
         self._inflight: dict[str, float] = {}  # boundary key -> start of its copy
+        self._landed = threading.Condition()  # notified each time a copy up ends (wait_copy_up)
         self._prefetched: dict[str, float] = {}  # copied up, not loaded yet (oldest first, bounded)
 
     # ------------------------------------------------------------------ save
@@ -333,6 +334,16 @@ class TierManager:
         """Whether the copy up of boundary ``key`` is still running (False once it landed or failed)."""
         return key in self._inflight
 
+    def wait_copy_up(self, timeout: float) -> bool:
+        """Block until some copy up ends (landed or failed), at most ``timeout`` seconds, without
+        holding the GIL; True when one ended or none runs. For a scheduler with nothing to run but
+        held requests: it waits here instead of spinning, which would take the GIL from the very
+        thread doing the copy."""
+        with self._landed:
+            if not self._inflight:
+                return True
+            return self._landed.wait(timeout)
+
     def _copy_up_deepest(self, tokens, floor: int, cap: int, device_kv: int) -> tuple[Optional[str], bool]:
         host = self.stores[0]
         if not self.copies_up or cap <= floor:
@@ -379,7 +390,9 @@ class TierManager:
             logger.exception("k3 tier: prefetch of %s failed", bkey)
         finally:
             c.prefetch_seconds += time.perf_counter() - t0
-            self._inflight.pop(bkey, None)
+            with self._landed:
+                self._inflight.pop(bkey, None)
+                self._landed.notify_all()
 
     def wait_prefetches(self, timeout: float = 30.0) -> bool:
         """Block until no prefetch runs (tests, shutdown); False on timeout."""
