@@ -82,11 +82,11 @@ def test_a_matched_request_the_prefill_adder_refuses_gives_its_pin_back(dtype, s
     from sglang.srt.mem_cache.common import evict_from_tree_cache
     from sglang.srt.runtime_context import use_context
 
-    from sglang_k3.patches.prefill_adder_not_admitted import release_not_admitted
+    from sglang_k3.patches.prefill_adder_not_admitted import admit_within_state_slots
 
     def add(adder, req):  # the scheduler's call, through the patch's hook
         original = PrefillAdder.add_one_req
-        return release_not_admitted(original, adder, req, has_chunked_req=False, truncation_align_size=None)
+        return admit_within_state_slots(original, adder, req, has_chunked_req=False, truncation_align_size=None)
 
     cache, _, alloc = unified_k3_cache_on_cpu(K3Config(checkpoint_dtype=dtype), kv_tokens=400, mamba_size=6, rows=4)
     path = list(range(1, 201))
@@ -116,6 +116,56 @@ def test_a_matched_request_the_prefill_adder_refuses_gives_its_pin_back(dtype, s
     evict_from_tree_cache(cache, a_len)
     got = alloc.alloc(a_len)
     assert got is not None and len(got) == a_len
+
+
+def test_the_prefill_adder_admits_no_request_without_a_state_slot_to_be_had(scheduler_context):
+    """The shape of the "Not enough space for mamba cache" stop seen on an H100 under pressure:
+    every region slot but one holds a running request's state, a checkpoint borrows the last one
+    and cannot go (a hit being restored pins it), and KV fills every other block, with free tokens
+    inside them but no whole free blocks. SGLang's adder counts rows and KV tokens, so it admits a
+    miss, and ``alloc_req_slots`` then asserts. Through the patch the adder answers ``NO_TOKEN``
+    (the request waits); once the pin is released the borrower goes for the slot and the same
+    request is admitted and allocated. SGLang's own ``PrefillAdder`` and ``alloc_req_slots``."""
+    from cpu_pools import unified_k3_cache_on_cpu
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.allocation import alloc_req_slots
+    from sglang.srt.runtime_context import use_context
+
+    from sglang_k3.patches.prefill_adder_not_admitted import admit_within_state_slots
+
+    def add(adder, req):
+        original = PrefillAdder.add_one_req
+        return admit_within_state_slots(original, adder, req, has_chunked_req=False, truncation_align_size=None)
+
+    cache, _, alloc = unified_k3_cache_on_cpu(K3Config(), kv_tokens=400, mamba_size=6, rows=4)
+    led, rtp = cache.ledger, cache.req_to_token_pool
+    running = [rtp.mamba_allocator.alloc(1) for _ in range(led.active_reserve - 1)]
+    kv = alloc.alloc(alloc.available_size())  # every block outside the region is KV now
+    ins = cache.lifecycle.insert(list(range(1, 11)), kv[:10].tolist())
+    ck = cache.tree.add_checkpoint(ins.node, 10, [cache.store.alloc()], cache.store.slot_bytes, ready=True)
+    alloc.free(kv[10::2])  # free tokens in every KV block, no whole free block
+    assert alloc.available_size() > 100 and led.free_slots() == 0
+    pin = cache.tree.pin_hit(ck)  # the borrower of the last region slot cannot go
+    with use_context(scheduler_context):
+        u = _req("u", list(range(1000, 1040)))
+        u.init_next_round_input(cache)
+        assert not u.kv.holds_mamba
+        unguarded = _adder(cache, alloc)
+        assert unguarded.add_one_req(u, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+        with pytest.raises(AssertionError, match="Not enough space for mamba cache"):
+            alloc_req_slots(rtp, unguarded.can_run_list, cache)  # what the server did
+        a = _req("a", list(range(1000, 1040)))  # the same prompt, through the patch
+        a.init_next_round_input(cache)
+        adder = _adder(cache, alloc)
+        assert add(adder, a) == AddReqResult.NO_TOKEN and adder.can_run_list == []
+        assert cache.stats_dict()["state_slot_refusals"] == 1
+        cache.tree.release_pin(pin)
+        adder = _adder(cache, alloc)
+        assert add(adder, a) == AddReqResult.CONTINUE and adder.can_run_list == [a]
+        rows = alloc_req_slots(rtp, adder.can_run_list, cache)
+        assert len(rows) == 1 and a.kv.holds_mamba
+    led.check()
+    assert len(running) == led.active_reserve - 1 and led.active_count() == led.active_reserve
 
 
 def test_scheduler_verbs_are_found_on_the_k3_cache_only():

@@ -43,6 +43,25 @@ class CacheMemory:
     def _evict_for_active(self, want: int) -> None:
         self.evictor.for_active(want)
 
+    def state_slots_ready(self, need: int) -> bool:
+        """Whether ``need`` state slots can be allocated now, evicting for them if they are not
+        free (what SGLang's slot allocation will ask at ``alloc_req_slots``). SGLang's prefill
+        adder counts request rows, not states: under unified memory a state is ``span`` whole
+        blocks of the region (or, beyond it, of free memory), and a region slot a checkpoint
+        still borrows while it cannot go (pinned by a hit being restored, or its copy not landed),
+        with KV fragmenting the rest, leaves fewer slots than rows. Admitting past that stops the
+        server on SGLang's allocation assertion. True without unified memory (SGLang's own pool)."""
+        if self.unified is None or need <= 0:
+            return True
+        led = self.ledger
+        if led.free_slots(limit=need) >= need:
+            return True
+        self._evict_for_active(need)
+        if led.free_slots(limit=need) >= need:
+            return True
+        self.state_slot_refusals += 1
+        return False
+
     def _reclaimable_checkpoint_blocks(self) -> int:
         """Blocks outside the active region that evicting every evictable checkpoint (above the
         floor) would surely free: a block keeps out only while it holds a checkpoint that cannot

@@ -82,6 +82,7 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         self._round_extend: dict[str, int] = {}
         self.kv_page_copies = 0  # restores inside a page: partial pages copied (prefix_device_indices)
         self.matches_not_admitted = 0  # matched in a prefill loop, then not admitted (match_not_admitted)
+        self.state_slot_refusals = 0  # admissions refused: no state slot to be had (state_slots_ready)
         self.speculative_stops_rewound = 0  # stopped inside a verify's tokens, cached anyway (rewind_to_stop)
         self.speculative_stops_lost = 0  # the same, not cacheable (rewind_to_stop)
         self.hits_retaken_for_slot = 0  # hits let go so the request could take a state slot

@@ -133,6 +133,10 @@ COUNTERS: dict[str, str] = {
     "matches_not_admitted": (
         "Requests matched while a prefill batch was filled, then not admitted (no room): their pinned hits released."
     ),
+    "state_slot_refusals": (
+        "Unified memory: prefill admissions stopped because no KDA state slot could be had, even by eviction "
+        "(the request waits for a running one to finish)."
+    ),
     "speculative_stops_rewound": (
         "Speculative decoding: requests that stopped inside a verify's accepted tokens, their state set back to "
         "the stop from the verify's per-token scratch so the turn is cached."
@@ -240,6 +244,7 @@ def cache_stats(cache) -> dict[str, Any]:
         deferred_restores=restores.restored,
         kv_page_copies=cache.kv_page_copies,
         matches_not_admitted=cache.matches_not_admitted,
+        state_slot_refusals=cache.state_slot_refusals,
         speculative_stops_rewound=cache.speculative_stops_rewound,
         speculative_stops_lost=cache.speculative_stops_lost,
         hits_retaken_for_slot=cache.hits_retaken_for_slot,

@@ -17,8 +17,8 @@ patch (upstream symbol)                      verb
                                              :meth:`~SchedulerVerbs.eviction_refresh`
 ``match_kv_cache_k3``                        :meth:`~SchedulerVerbs.lookups` (around the admitting
 (``mem_cache.common.match_kv_cache``)        match; observability records the lookup on the Req)
-``prefill_adder_not_admitted``               :meth:`~SchedulerVerbs.not_admitted`
-(``PrefillAdder.add_one_req``)
+``prefill_adder_not_admitted``               :meth:`~SchedulerVerbs.states_ready`,
+(``PrefillAdder.add_one_req``)               :meth:`~SchedulerVerbs.not_admitted`
 ``scheduler_process_batch_result_k3``        :meth:`~SchedulerVerbs.begin_step` ...
 (``Scheduler.process_batch_result``)         :meth:`~SchedulerVerbs.end_step`
 ``batch_result_decode_checkpoint``           :meth:`~SchedulerVerbs.after_decode` (inside the step)
@@ -78,6 +78,11 @@ class SchedulerVerbs:
     def lookups(self) -> int:
         """The tree's lookup count (read around an admitting match to find its record)."""
         return self.cache.tree.stats.lookups
+
+    def states_ready(self, need: int) -> bool:
+        """Whether the batch being filled can have ``need`` state slots at its allocation (evicting
+        for them now if needed): :meth:`K3RadixCache.state_slots_ready`."""
+        return self.cache.state_slots_ready(need)
 
     def not_admitted(self, req) -> None:
         """The prefill adder matched ``req`` and then did not admit it: drop what the match holds."""
