@@ -132,21 +132,24 @@ ab)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 ${AB_POOLS---max-total-tokens 262144 --max-mamba-cache-size 128} ${AB_EXTRA:-}"
   # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
   # multiturn (conversations that branch at their third turn) and the trace slice only.
-  # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run;
+  # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run,
+  # AB_NO_DEFAULT=1 the default one;
   # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
   # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (above).
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
-  timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
-    --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads multiturn,trace \
-    $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
-    --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
-    --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
-  echo "live_ab exit $?"
-  pkill -f sglang_k3.launch_server; sleep 2
+  if [ -z "${AB_NO_DEFAULT:-}" ]; then  # AB_NO_DEFAULT=1: the pressure run only
+    timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
+      --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads multiturn,trace \
+      $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
+      --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
+      --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
+    echo "live_ab exit $?"
+    pkill -f sglang_k3.launch_server; sleep 2
+  fi
   if [ -z "${AB_NO_PRESSURE:-}" ]; then
     # memory pressure: the same SGLang sizing flags for all three (k3's unified budget and
     # upstream's KV + state pools hold the same bytes), well under what the prefixes need
-    timeout 200 python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
+    timeout ${AB_PRESSURE_TIMEOUT:-200} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
       --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
       --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
