@@ -67,6 +67,7 @@ TIER_STATS = (
     "tier_held_seconds",
     "tier_held_expired",
     "tier_hold_lookups",
+    "tier_hold_waits",
     "evicted_checkpoints",
     "evicted_kv_tokens",
 )
