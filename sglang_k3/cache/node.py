@@ -112,13 +112,34 @@ class Node:
         )
 
 
+_LCP_STRIDE = 64
+
+
 def lcp(a: Sequence[int], key: Sequence[int], pos: int) -> int:
-    """Length of the common prefix of ``a`` and ``key[pos:]``."""
+    """Length of the common prefix of ``a`` and ``key[pos:]``. Sequences of one type are compared
+    a stride of 64 tokens at a time (one slice comparison in C each), then token by token inside
+    the stride that differs: a cached prompt of thousands of tokens is walked at every match,
+    insert and waiting-queue refresh, and the token loop alone took 0.24 ms per 4,000 tokens."""
     n = min(len(a), len(key) - pos)
     i = 0
+    if type(a) is type(key):  # a list slice never equals an array's: compare like with like
+        s = _LCP_STRIDE
+        while i + s <= n and a[i : i + s] == key[pos + i : pos + i + s]:
+            i += s
     while i < n and a[i] == key[pos + i]:
         i += 1
     return i
+
+
+def differing(new: Sequence[int], start: int, old: Sequence[int], n: int) -> list[int]:
+    """``new[start + i]`` for each ``i < n`` where it differs from ``old[i]``: the KV indices a
+    request holds for tokens the tree holds already (an insert hands them back as duplicates).
+    Usually none, which one slice comparison finds."""
+    if n <= 0:
+        return []
+    if type(new) is type(old) and new[start : start + n] == old[:n]:
+        return []
+    return [new[start + i] for i in range(n) if new[start + i] != old[i]]
 
 
 def page_child(children: dict, key: Sequence[int], pos: int, page: int) -> tuple[Optional[object], int]:

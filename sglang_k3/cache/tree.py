@@ -52,7 +52,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.ghosts import EvictedKV, MissCounts, ReuseLearner
 from sglang_k3.cache.invariants import check_tree
-from sglang_k3.cache.node import Checkpoint, Node, lcp, page_child
+from sglang_k3.cache.node import Checkpoint, Node, differing, lcp, page_child
 from sglang_k3.cache.ranking import EvictionPolicy
 from sglang_k3.cache.registry import CheckpointRegistry
 from sglang_k3.cache.results import InsertResult, MatchResult
@@ -322,7 +322,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
             if rest < p:  # a ragged end: a child that already holds these tokens covers it
                 child = self._covering_child(node, key, pos, rest)
                 if child is not None:
-                    dup.extend(kv[pos + i] for i in range(rest) if kv[pos + i] != child.kv[i])
+                    dup.extend(differing(kv, pos, child.kv, rest))
                     child.last_access = now
                     node, pos = child, limit
                     break
@@ -349,7 +349,7 @@ class K3RadixTree(Retention, CheckpointRegistry):
             n = min(lcp(child.key, key, pos), limit - pos) // p * p
             if n < len(child.key):
                 child = self._split(child, n)
-            dup.extend(kv[pos + i] for i in range(n) if kv[pos + i] != child.kv[i])
+            dup.extend(differing(kv, pos, child.kv, n))
             child.last_access = now
             dup.extend(self._absorb_ragged(node, child))
             node, pos = child, pos + n
