@@ -39,7 +39,7 @@ def hold_tier_loads(original, self, *args, **kwargs):
     verbs = verbs_of(self.tree_cache)
     queue = self.waiting_queue
     held = []
-    if verbs is not None and queue:
+    if verbs is not None and queue and verbs.may_hold():
         running = kwargs.get("running_batch") or self.running_batch
         # the free request rows, as the loop counts them: the cache looks only at as many
         room = self.get_num_allocatable_reqs(len(running.reqs), running_batch=running)

@@ -166,10 +166,11 @@ class CacheLifecycle(EvictionVerbs):
         if self.bridge is not None:
             self.bridge.prefetch(tokens)
 
-    def held_for_tiers(self, rid: str, tokens: Sequence[int]) -> bool:
+    def held_for_tiers(self, rid: str, tokens) -> bool:
         """Whether the waiting request should wait before its admission: its boundary is being
         copied up from a tier below host memory (:meth:`TierBridge.held
-        <sglang_k3.cache.tier_bridge.TierBridge.held>`). False without lower tiers."""
+        <sglang_k3.cache.tier_bridge.TierBridge.held>`: ``tokens``, or a callable giving them).
+        False without lower tiers."""
         return self.bridge is not None and self.bridge.held(rid, tokens)
 
     def wait_for_tiers(self) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from sglang_k3.cache.actions import SaveBoundary
 from sglang_k3.cache.node import Checkpoint, CheckpointKind, Node
@@ -154,14 +154,21 @@ class TierBridge:
             self.counters.tier_errors += 1
             logger.exception("k3 tier: prefetch lookup failed")
 
-    def held(self, rid: str, tokens: Sequence[int]) -> bool:
+    @property
+    def may_hold(self) -> bool:
+        """Whether :meth:`held` can ever hold a request: a host tier sits above another tier."""
+        return self.tiers.copies_up
+
+    def held(self, rid: str, tokens: Union[Sequence[int], Callable[[], Sequence[int]]]) -> bool:
         """Whether the waiting request ``rid`` should stay in the queue for now. When it is first
         asked, and again whenever the device tree has evicted since (what it lost, or what the
         writer thread has landed below since, may be only in Mooncake now), the deepest boundary
         past the device's restore point that only a tier below host memory holds starts copying
         up (as :meth:`prefetch`). The request is held while that copy runs, at most
         :attr:`HOLD_LIMIT_S`; its promotion at admission then reads host memory. Between
-        evictions nothing is looked up again."""
+        evictions nothing is looked up again. ``tokens``: the request's tokens, or a callable that
+        gives them (the scheduler asks every iteration; a waiting request's tokens are built only
+        when a lookup is due)."""
         if not self.tiers.copies_up:
             return False
         hold = self._holds.get(rid)
@@ -180,6 +187,8 @@ class TierBridge:
             if seen == epoch:
                 return False
         key = None
+        if callable(tokens):
+            tokens = tokens()
         if len(tokens) >= 2:
             self.counters.tier_hold_lookups += 1
             try:

@@ -465,15 +465,21 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         being copied up from Mooncake into the host tier (:meth:`CacheLifecycle.held_for_tiers
         <sglang_k3.cache.lifecycle.CacheLifecycle.held_for_tiers>`), so that its promotion does
         not read the network on the scheduler's thread."""
-        bridge = self.lifecycle.bridge
-        if bridge is None:
+        if not self.may_hold():
             return []
         return [
             req
-            for req in queue[: max(1, min(room, bridge.HOLD_LOOKAHEAD))]
+            for req in queue[: max(1, min(room, self.lifecycle.bridge.HOLD_LOOKAHEAD))]
             if not _request_namespaced(req)
-            and self.lifecycle.held_for_tiers(req.rid, [*req.origin_input_ids, *req.output_ids])
+            # its tokens are built only when a lookup is due (the scheduler asks every iteration)
+            and self.lifecycle.held_for_tiers(req.rid, lambda r=req: [*r.origin_input_ids, *r.output_ids])
         ]
+
+    def may_hold(self) -> bool:
+        """Whether :meth:`held_back` can ever leave a request out: lower tiers with a host tier
+        above another. The scheduler asks at every iteration, before it counts its free rows."""
+        bridge = self.lifecycle.bridge
+        return bridge is not None and bridge.may_hold
 
     def match_not_admitted(self, req) -> None:
         """SGLang's prefill loop matched ``req`` (its hit pinned, its restore queued) and then did

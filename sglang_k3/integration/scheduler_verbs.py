@@ -63,6 +63,11 @@ class SchedulerVerbs:
             self.cache.eviction_refresh = False
 
     # ---------------------------------------------------------------- admission
+    def may_hold(self) -> bool:
+        """Whether :meth:`held_back` can leave anything out (lower tiers, a host tier above
+        another): checked before the call counts its free rows."""
+        return self.cache.may_hold()
+
     def held_back(self, queue: Sequence, room: int) -> list:
         """The waiting requests to leave out of this scheduling call's admission, which can admit
         ``room`` more: those whose boundary is being copied up from a lower tier
