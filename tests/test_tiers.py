@@ -536,11 +536,9 @@ def test_a_waiting_request_is_held_until_its_boundary_is_copied_up_from_the_lowe
     assert tiers.counters.prefetches == 1 and lc.bridge.counters.tier_held == 1
 
 
-def test_a_held_request_is_let_go_when_its_copy_up_hangs():
-    """A lower tier that stops answering keeps a request waiting at most ``HOLD_LIMIT_S``; it is
-    then admitted without that boundary's copy, and the expiry is counted."""
+def _stalled_l3():
+    """A lower tier whose reads wait until its ``gate`` is set: one that stopped answering."""
     import threading
-    import time
 
     from benchmarks.policies.tiers import ModelledStore
 
@@ -551,7 +549,15 @@ def test_a_held_request_is_let_go_when_its_copy_up_hangs():
             assert self.gate.wait(30), "the test never opened the gate"
             return super().get(key)
 
-    l3 = _l3(Stalled)
+    return _l3(Stalled)
+
+
+def test_a_held_request_is_let_go_when_its_copy_up_hangs():
+    """A lower tier that stops answering keeps a request waiting at most ``HOLD_LIMIT_S``; it is
+    then admitted without that boundary's copy, and the expiry is counted."""
+    import time
+
+    l3 = _stalled_l3()
     _, b, trace = _two_instances(l3)
     lc = b.lifecycle
     lc.bridge.HOLD_LIMIT_S = 0.05
@@ -573,16 +579,7 @@ def test_a_scheduler_with_only_held_requests_waits_for_the_copy_up_not_the_full_
     import threading
     import time
 
-    from benchmarks.policies.tiers import ModelledStore
-
-    class Stalled(ModelledStore):
-        gate = threading.Event()
-
-        def get(self, key):
-            assert self.gate.wait(30), "the test never opened the gate"
-            return super().get(key)
-
-    l3 = _l3(Stalled)
+    l3 = _stalled_l3()
     _, b, trace = _two_instances(l3)
     lc, bridge = b.lifecycle, b.lifecycle.bridge
     key = trace.prompt(0) + [5555]
