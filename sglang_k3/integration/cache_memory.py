@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+
+from sglang_k3.integration.unified_memory import index_tensor
 
 
 class CacheMemory:
     def _free_kv(self, indices: list[int]) -> None:
-        self.token_to_kv_pool_allocator.free(torch.tensor(indices, dtype=torch.int64, device=self._kv_device))
+        self.token_to_kv_pool_allocator.free(index_tensor(indices, self._kv_device))
 
     def _alloc_kv(self, n: int) -> Optional[list[int]]:
         """``n`` KV slots for KV brought up from a lower tier, evicting if needed; None if none."""

@@ -52,7 +52,7 @@ from sglang_k3.integration.cache_memory import CacheMemory
 from sglang_k3.integration.observability import cache_stats, server_snapshot
 from sglang_k3.integration.scheduler_verbs import SchedulerVerbs
 from sglang_k3.integration.tier_setup import build_tiers
-from sglang_k3.integration.unified_memory import checkpoint_buffers, mla_pool_of, unified_of
+from sglang_k3.integration.unified_memory import checkpoint_buffers, index_tensor, mla_pool_of, unified_of
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedCheckpointMemory, make_store
 from sglang_k3.state.deferred_restore import DeferredRestores
@@ -310,7 +310,7 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
 
     def path_device_indices(self, node: Any) -> torch.Tensor:
         kv = [] if node is self.tree.root else self.tree.path_kv(node)
-        return torch.tensor(kv, dtype=torch.int64, device=self._kv_device)
+        return index_tensor(kv, self._kv_device)
 
     # ---------------------------------------------------------------- insert / checkpoint
     def checkpoint(self, req, *, up_to: int, kind: Optional[CheckpointKind] = None, **kwargs) -> None:
@@ -332,7 +332,9 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         # state at its exact end has a key (with pages over one token)
         ins = self.lifecycle.insert(list(req.full_untruncated_fill_ids[:up_to]), kv_row.tolist(), ragged=finished)
         start = req.kv.cache_protected_len
-        if ins.inserted_len > start:
+        # the row takes the tree's KV where the tree held these tokens under other slots (the freed
+        # duplicates); with none the row already is the tree's path: no path list, no device copy
+        if ins.inserted_len > start and ins.duplicate_kv:
             tree_kv = self.path_device_indices(ins.node)
             self.req_to_token_pool.req_to_token[row, start : ins.inserted_len] = tree_kv[start : ins.inserted_len].to(
                 self.req_to_token_pool.req_to_token.dtype

@@ -30,6 +30,7 @@ import functools
 import logging
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.mamba import MambaSlotAllocator
@@ -44,6 +45,13 @@ from sglang_k3.state.checkpoint_pool import parse_checkpoint_dtype
 from sglang_k3.state.unified_buffer import CheckpointLayout, StateLayout, UnifiedBuffer
 
 logger = logging.getLogger(__name__)
+
+
+def index_tensor(values, device) -> torch.Tensor:
+    """A list of int indices as an int64 tensor on ``device``, through numpy: ``torch.tensor`` of
+    a list costs about 55 ns an element on the host (0.22 ms for a 4,000-token prompt's KV),
+    numpy about 15. Used wherever a KV allocation, free or tree path becomes a tensor."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(device)
 
 
 class UnifiedConfigError(ValueError):
@@ -130,7 +138,7 @@ class UnifiedKVAllocator(_LedgerKV, TokenToKVPoolAllocator):
         got = self._take_pages(need_size)  # at page 1 a page is a token
         if got is None:
             return None
-        return torch.tensor(got, dtype=torch.int64, device=self.device)
+        return index_tensor(got, self.device)
 
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel() == 0:
@@ -176,7 +184,7 @@ class UnifiedPagedKVAllocator(_LedgerKV, PagedTokenToKVPoolAllocator):
 
     def _lend(self, pages: list[int]) -> None:
         """Hand ``pages`` to SGLang's placement code as its free list, which takes exactly them."""
-        self.free_pages = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        self.free_pages = index_tensor(pages, self.device)
 
     def alloc(self, need_size: int):
         if need_size % self.page_size:
@@ -186,7 +194,7 @@ class UnifiedPagedKVAllocator(_LedgerKV, PagedTokenToKVPoolAllocator):
             return None
         if not pages:
             return torch.empty((0,), dtype=torch.int64, device=self.device)
-        ids = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        ids = index_tensor(pages, self.device)
         return (ids[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
 
     def alloc_extend(
