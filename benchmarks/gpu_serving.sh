@@ -100,7 +100,8 @@ KERNELS="--dtype bfloat16 --attention-backend triton --sampling-backend pytorch"
 # a whole device call; its reports are counted per server log at the end (idle_leak_reports.txt,
 # 0 expected). It found extra_buffer's ping-pong slots left allocated under k3 (now refused).
 export SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0
-# The A/B phases (ab, profile) answer a warm pass first (live_ab --warm-pass; AB_WARM=0 drops it):
+# The A/B phases (ab, profile) answer a warm pass first (live_ab --warm-pass: the synthetic workloads
+# once with other prompts; AB_WARM=0 drops it):
 # a fresh GPU server compiles and first-launches its Triton kernels there, not in the measured
 # pass (GPU_NOTES.md, ninth session).
 WARM=$([ "${AB_WARM:-1}" = 1 ] && echo --warm-pass)
@@ -130,8 +131,10 @@ ab)
   # the card already hold, and on an 80 GB H100 three servers at 0.12 each left the last one to
   # start a negative state-pool size (GPU_NOTES.md, eighth session); the pressure run sets its own
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 ${AB_POOLS---max-total-tokens 262144 --max-mamba-cache-size 128} ${AB_EXTRA:-}"
-  # SGLang's bench_serving (the gsp workload) imports `datasets`, which the GPU wheel set lacks:
-  # multiturn (conversations that branch at their third turn) and the trace slice only.
+  # The workloads: gsp (groups of prompts over shared system prompts; SGLang's bench_serving
+  # imports `datasets`, which the GPU wheel set lacks, so live_ab sends them with its own client,
+  # --gsp-driver auto), multiturn (conversations that branch at their third turn) and the trace
+  # slice. AB_WORKLOADS picks (default gsp,multiturn,trace).
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run,
   # AB_NO_DEFAULT=1 the default one;
   # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
@@ -139,7 +142,8 @@ ab)
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   if [ -z "${AB_NO_DEFAULT:-}" ]; then  # AB_NO_DEFAULT=1: the pressure run only
     timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
-      --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads multiturn,trace \
+      --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads ${AB_WORKLOADS:-gsp,multiturn,trace} \
+      --gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8 \
       $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
       --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
       --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet

@@ -8,7 +8,9 @@ baseline, overlap off), and drives both with the same
 workloads, one server at a time (the other sits idle with ``--sleep-on-idle``), flushing the cache
 before each workload:
 
-1. ``gsp``: SGLang's own ``python -m sglang.bench_serving --dataset-name generated-shared-prefix``;
+1. ``gsp``: SGLang's own ``python -m sglang.bench_serving --dataset-name generated-shared-prefix``
+   (``--gsp-driver native``, and by default where ``bench_serving`` cannot import, e.g. on the GPU
+   wheel set: the same shape sent by this project's client, greedy ids compared);
 2. ``multiturn``: concurrent conversations whose every turn extends the previous one
    (prompt = previous prompt + the server's greedy reply + new user tokens);
 3. ``trace``: a scaled slice of a Mooncake trace replayed with real token ids (the hash-id -> token
@@ -147,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--warm-pass",
         action="store_true",
-        help="before the measured workloads, each server answers the multiturn workload once with other prompts "
-        "(seed + 1000) and its cache is flushed: a fresh GPU server compiles and first-launches its Triton kernels "
-        "then, not inside the measured pass (GPU_NOTES.md, ninth session). A lower tier keeps what the warm pass "
-        "saved; nothing of it matches the measured prompts",
+        help="before the measured workloads, each server answers each selected synthetic workload (gsp, multiturn; "
+        "multiturn when only the trace is selected) once with other prompts (seed + 1000) and its cache is flushed: "
+        "a fresh GPU server compiles and first-launches its Triton kernels for those prompt shapes then, not inside "
+        "the measured pass (GPU_NOTES.md, ninth session). A lower tier keeps what the warm pass saved; nothing of "
+        "it matches the measured prompts",
     )
     g.add_argument(
         "--pressure",
@@ -169,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gsp-question-len", type=int, default=32, help="--gsp-question-len (tokens)")
     g.add_argument("--gsp-output-len", type=int, default=8, help="--gsp-output-len (tokens)")
     g.add_argument("--gsp-concurrency", type=int, default=2, help="bench_serving --max-concurrency")
+    g.add_argument(
+        "--gsp-driver",
+        choices=("auto", "bench_serving", "native"),
+        default="auto",
+        help="who sends the gsp requests: SGLang's bench_serving, or this project's client "
+        "(benchmarks.live.workloads.run_gsp_native: the same shape, greedy ids compared); auto: "
+        "bench_serving where it imports (it needs Hugging Face datasets, which the GPU wheel set lacks)",
+    )
 
     g = p.add_argument_group("multiturn: concurrent conversations, each turn extends the previous one")
     g.add_argument("--mt-conversations", type=int, default=3, help="concurrent conversations")
@@ -507,6 +518,17 @@ def main(argv=None) -> int:
 
         model_dir = default_model_path()
     vocab = wl.vocabulary(model_dir)
+    gsp_driver = args.gsp_driver
+    if gsp_driver == "auto":
+        gsp_driver = "bench_serving" if wl.bench_serving_runs() else "native"
+    elif gsp_driver == "bench_serving" and "gsp" in args.workloads and not wl.bench_serving_runs():
+        print(
+            "error: --gsp-driver bench_serving: SGLang's bench_serving needs Hugging Face datasets "
+            "(pip install datasets), or pass --gsp-driver native",
+            file=sys.stderr,
+        )
+        return 2
+    args.gsp_driver = gsp_driver  # recorded in the settings as the driver that ran
     skipped: dict = {}
     trace_slice = None
     if "trace" in args.workloads:
@@ -537,6 +559,20 @@ def main(argv=None) -> int:
 
     def run_one(w, s, c, seed=None):
         seed = args.seed if seed is None else seed
+        if w == "gsp" and gsp_driver == "native":
+            return wl.run_gsp_native(
+                s.url,
+                c,
+                vocab,
+                groups=args.gsp_groups,
+                prompts_per_group=args.gsp_prompts_per_group,
+                system_len=args.gsp_system_len,
+                question_len=args.gsp_question_len,
+                output_len=args.gsp_output_len,
+                concurrency=args.gsp_concurrency,
+                seed=seed,
+                verbose=not args.quiet,
+            )
         if w == "gsp":
             return wl.run_bench_serving(
                 s.url,
@@ -613,9 +649,11 @@ def main(argv=None) -> int:
             say(f"  {c} healthy after {s.start_seconds:.0f}s; warming up")
             warm_up(s, vocab)
         if args.warm_pass:
+            warm = [w for w in workloads if w != "trace"] or ["multiturn"]  # the trace slice has no seed
             for c, s in servers.items():
-                say(f"  {c}: a warm pass of multiturn with seed {args.seed + WARM_PASS_SEED_OFFSET} (not measured)")
-                run_one("multiturn", s, c, seed=args.seed + WARM_PASS_SEED_OFFSET)
+                for w in warm:
+                    say(f"  {c}: a warm pass of {w} with seed {args.seed + WARM_PASS_SEED_OFFSET} (not measured)")
+                    run_one(w, s, c, seed=args.seed + WARM_PASS_SEED_OFFSET)
                 s.flush_cache()
         for wi, w in enumerate(workloads):
             order = args.caches if wi % 2 == 0 else args.caches[::-1]  # alternate who goes first
@@ -665,7 +703,11 @@ def main(argv=None) -> int:
             {k: v for k, v in outputs["k3"].items() if k.startswith(pre)},
             {k: v for k, v in outputs["upstream"].items() if k.startswith(pre)},
         )
-        g["compares"] = "generated text (bench_serving returns no ids)" if w == "gsp" else "greedy output token ids"
+        g["compares"] = (
+            "generated text (bench_serving returns no ids)"
+            if w == "gsp" and args.gsp_driver == "bench_serving"
+            else "greedy output token ids"
+        )
         if "off" in outputs:  # the cache-off server is the oracle both caches answer to
             off = {k: v for k, v in outputs["off"].items() if k.startswith(pre)}
             g["against_off"] = {
@@ -693,7 +735,8 @@ def main(argv=None) -> int:
             "trace": (trace_slice.description | {"concurrency": args.trace_concurrency}) if trace_slice else None,
             "seed": args.seed,
             "warm_pass": args.warm_pass,
-            "ttft": "client-side, request sent -> first streamed token (gsp: bench_serving's own TTFT)",
+            "ttft": "client-side, request sent -> first streamed token"
+            + (" (gsp: bench_serving's own TTFT)" if args.gsp_driver == "bench_serving" else ""),
             "output_tok_per_s": "output tokens of the workload / its wall time",
             "order": "one server at a time; the first cache alternates per workload (record field 'order')",
         },

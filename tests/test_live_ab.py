@@ -207,7 +207,7 @@ def test_live_ab_end_to_end(tmp_path):
         "--caches",
         "k3,upstream,off",
         "--time-cache",
-        "--warm-pass",  # each server answers multiturn once with other prompts first: not in the records
+        "--warm-pass",  # each server answers gsp and multiturn once with other prompts first: not in the records
         *SMALL,
     ]
     k3_args = _k3_fp32_args()
@@ -307,3 +307,24 @@ def test_pressure_end_to_end(tmp_path):
     assert split["memory_budget_bytes"] == p["budget_bytes"]
     assert split["memory_kv_bytes"] + split["memory_checkpoint_bytes"] > 0
     assert res["greedy"]["multiturn"]["mismatches"] == 0
+
+
+def test_the_native_gsp_driver_shares_each_groups_system_prompt(server_factory):
+    """``--gsp-driver native`` (what the GPU runs, where SGLang's bench_serving cannot import):
+    every request of a group carries the group's system prompt, so with one request at a time each
+    group's later requests restore it, and the greedy tokens equal a cache-off server's (fp32
+    checkpoints). Two groups of three, sent in a seeded shuffle."""
+    from benchmarks.live import workloads as wl
+    from sglang_k3.model.tiny_build import default_model_path
+
+    k3, plain = server_factory("k3"), server_factory("nocache")
+    vocab = wl.vocabulary(default_model_path())
+    sizes = dict(groups=2, prompts_per_group=3, system_len=256, question_len=16, output_len=4, concurrency=1)
+    k3.flush_cache()
+    got, outs = wl.run_gsp_native(k3.url, "k3", vocab, seed=5, verbose=False, **sizes)
+    ref, ref_outs = wl.run_gsp_native(plain.url, "nocache", vocab, seed=5, verbose=False, **sizes)
+    assert got["requests"] == 6 and got["errors"] == 0 and got["prompt_tokens"] == 6 * (256 + 16)
+    assert ref["cached_tokens"] == 0
+    assert got["cached_tokens"] >= 4 * 192  # each group's later two restore most of its system prompt
+    assert sorted(outs) == sorted(f"gsp/{g}/{q}" for g in range(2) for q in range(3))
+    assert outs == ref_outs

@@ -146,6 +146,60 @@ def run_bench_serving(
     return metrics, outputs
 
 
+def bench_serving_runs() -> bool:
+    """Whether SGLang's ``bench_serving`` can be imported here: it imports every dataset module,
+    and one of them (``mmmu``) needs Hugging Face ``datasets``, which the GPU wheel set lacks."""
+    import importlib.util
+
+    return importlib.util.find_spec("datasets") is not None
+
+
+def run_gsp_native(
+    url: str,
+    label: str,
+    vocab: list[int],
+    *,
+    groups: int,
+    prompts_per_group: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    concurrency: int,
+    seed: int,
+    verbose: bool = True,
+) -> tuple[dict, dict]:
+    """The generated-shared-prefix workload through this project's own client, for where
+    ``bench_serving`` does not run (:func:`bench_serving_runs`): ``groups`` random system prompts
+    of ``system_len`` tokens, each followed by ``prompts_per_group`` random questions of
+    ``question_len`` tokens; every request asks ``output_len`` greedy tokens, sent in a seeded
+    random order (``bench_serving`` shuffles its requests too), ``concurrency`` at a time, against
+    a flushed cache. Token ids are drawn from ``vocab``, not from text, so the prompt lengths are
+    exact. TTFT is the client's (request sent -> first streamed token), as for the other
+    workloads; outputs are greedy token ids."""
+    rng = random.Random(seed)
+    prompts = []
+    for g in range(groups):
+        system = [rng.choice(vocab) for _ in range(system_len)]
+        for q in range(prompts_per_group):
+            prompts.append((f"gsp/{g}/{q}", system + [rng.choice(vocab) for _ in range(question_len)]))
+    rng.shuffle(prompts)
+    results: list = [None] * len(prompts)
+    progress = Progress(f"{label} gsp", len(prompts), verbose)
+
+    def one(i: int) -> Result:
+        key, ids = prompts[i]
+        res = generate_stream(url, key, ids, output_len)
+        results[i] = res
+        progress.step(res)
+        return res
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(one, range(len(prompts))))
+    duration = time.perf_counter() - t0
+    return summarize_results(results, duration), {r.key: r.output_ids for r in results if r.error is None}
+
+
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
