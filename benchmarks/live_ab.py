@@ -559,25 +559,8 @@ def main(argv=None) -> int:
 
     def run_one(w, s, c, seed=None):
         seed = args.seed if seed is None else seed
-        if w == "gsp" and gsp_driver == "native":
-            return wl.run_gsp_native(
-                s.url,
-                c,
-                vocab,
-                groups=args.gsp_groups,
-                prompts_per_group=args.gsp_prompts_per_group,
-                system_len=args.gsp_system_len,
-                question_len=args.gsp_question_len,
-                output_len=args.gsp_output_len,
-                concurrency=args.gsp_concurrency,
-                seed=seed,
-                verbose=not args.quiet,
-            )
         if w == "gsp":
-            return wl.run_bench_serving(
-                s.url,
-                c,
-                model_dir,
+            shape = dict(
                 groups=args.gsp_groups,
                 prompts_per_group=args.gsp_prompts_per_group,
                 system_len=args.gsp_system_len,
@@ -585,9 +568,11 @@ def main(argv=None) -> int:
                 output_len=args.gsp_output_len,
                 concurrency=args.gsp_concurrency,
                 seed=seed,
-                log_dir=log_dir,
                 verbose=not args.quiet,
             )
+            if gsp_driver == "native":
+                return wl.run_gsp_native(s.url, c, vocab, **shape)
+            return wl.run_bench_serving(s.url, c, model_dir, log_dir=log_dir, **shape)
         if w == "multiturn":
             return wl.run_multiturn(
                 s.url,
