@@ -395,11 +395,16 @@ class TierManager:
                 self._landed.notify_all()
 
     def wait_prefetches(self, timeout: float = 30.0) -> bool:
-        """Block until no prefetch runs (tests, shutdown); False on timeout."""
+        """Block until no prefetch runs (tests, shutdown); False on timeout. Woken by each copy's
+        end (the condition :meth:`wait_copy_up` waits on), not by polling."""
         deadline = time.perf_counter() + timeout
-        while self._inflight and time.perf_counter() < deadline:
-            time.sleep(0.005)
-        return not self._inflight
+        with self._landed:
+            while self._inflight:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                self._landed.wait(left)
+        return True
 
     def _find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
         B = self.block
