@@ -136,15 +136,16 @@ ab)
   # --gsp-driver auto), multiturn (conversations that branch at their third turn) and the trace
   # slice. AB_WORKLOADS picks (default gsp,multiturn,trace).
   # Sizes: AB_CONVERSATIONS, AB_TRACE_REQUESTS, AB_TIMEOUT; AB_NO_PRESSURE=1 skips the pressure run,
-  # AB_NO_DEFAULT=1 the default one;
+  # AB_NO_DEFAULT=1 the default one; AB_PRESSURE_WORKLOADS picks the pressure run's (default multiturn),
+  # AB_GSP replaces the gsp shape (groups, lengths, concurrency);
   # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
   # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (above).
+  GSP=${AB_GSP:-"--gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8"}
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   if [ -z "${AB_NO_DEFAULT:-}" ]; then  # AB_NO_DEFAULT=1: the pressure run only
     timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads ${AB_WORKLOADS:-gsp,multiturn,trace} \
-      --gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8 \
-      $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
+      $GSP $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
       --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
       --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
     echo "live_ab exit $?"
@@ -155,7 +156,7 @@ ab)
     # upstream's KV + state pools hold the same bytes), well under what the prefixes need
     timeout ${AB_PRESSURE_TIMEOUT:-200} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
-      --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 --mt-system-len 512 \
+      --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads ${AB_PRESSURE_WORKLOADS:-multiturn} $GSP $MT --mt-conversations 12 --mt-system-len 512 \
       --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
     echo "live_ab (pressure) exit $?"
     pkill -f sglang_k3.launch_server; sleep 2
@@ -198,10 +199,11 @@ profile)
   # each scheduler under cProfile (live_ab --profile-cache; its times are inflated, its tables are
   # the point: LOG_DIR/cache_timing_*/scheduler_*_profile.txt and .prof)
   COMMON="$KERNELS --mem-fraction-static 0.12 --max-running-requests 16 --max-total-tokens 24576 --max-mamba-cache-size 24 ${AB_EXTRA:-}"
+  GSP=${AB_GSP:-"--gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8"}
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   timeout ${PROFILE_TIMEOUT:-330} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream \
     --greedy-informational --time-cache --profile-cache $WARM --extra-server-args "$COMMON" \
-    --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads multiturn $MT --mt-conversations 12 \
+    --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads ${AB_PRESSURE_WORKLOADS:-multiturn} $GSP $MT --mt-conversations 12 \
     --mt-system-len 512 --out "$RES/pressure" --log-dir "$RES/logs" --quiet
   echo "live_ab (profiled pressure) exit $?"
   pkill -f sglang_k3.launch_server; sleep 2
