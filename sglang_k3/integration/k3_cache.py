@@ -30,7 +30,7 @@ copies that page's prefix slots to a page of the request's own (:meth:`prefix_de
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -53,6 +53,7 @@ from sglang_k3.integration.observability import cache_stats, server_snapshot
 from sglang_k3.integration.scheduler_verbs import SchedulerVerbs
 from sglang_k3.integration.tier_setup import build_tiers
 from sglang_k3.integration.unified_memory import checkpoint_buffers, index_tensor, mla_pool_of, unified_of
+from sglang_k3.integration.waiting_queue import WaitingQueue, request_namespaced
 from sglang_k3.state.active_slots import SlotPool
 from sglang_k3.state.checkpoint_store import LedgerSlots, UnifiedCheckpointMemory, make_store
 from sglang_k3.state.deferred_restore import DeferredRestores
@@ -62,7 +63,7 @@ from sglang_k3.state.forward_state import ForwardState, attach
 logger = logging.getLogger(__name__)
 
 
-class K3RadixCache(CacheMemory, BasePrefixCache):
+class K3RadixCache(CacheMemory, WaitingQueue, BasePrefixCache):
     def __init__(self, params, cfg: K3Config, hf_config: Optional[dict] = None, tier_ctx=None):
         self.page_size = params.page_size or 1
         check_page_size(self.page_size)
@@ -216,51 +217,6 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
             )
         return page
 
-    def _tier_room(self, rid: str) -> Optional[int]:
-        """KV tokens a lower tier may bring up for ``rid`` now. SGLang matches the waiting
-        requests one by one while it fills a prefill batch and allocates the batch's KV only
-        after: memory a tier load takes at the match of a later request is memory the batch
-        already counted on for the earlier ones (their prefill, ``_round_extend``). The free and
-        evictable KV less what those earlier requests need is the room; without this guard a
-        load could leave the batch's own allocation short (SGLang's "Out of memory" at
-        ``alloc_for_extend``, seen in benchmarks/fleet_ab.py)."""
-        if self.lifecycle.tiers is None:
-            return None
-        promised = sum(n for r, n in self._round_extend.items() if r != rid)
-        free = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
-        return max(0, free - promised)
-
-    def touch_prefix(self, key) -> None:
-        """SGLang refreshes the waiting queue's prefixes (head last) so that LRU eviction spares
-        what the next requests will hit (``SchedulePolicy._touch_waiting_prefixes``, every 32
-        scheduling calls, on by default): bump the path and the checkpoint a match would restore,
-        and with lower tiers start copying the request's deepest boundary up to host memory. The
-        extra refreshes k3 asks for while it evicts (:attr:`eviction_refresh`) only order
-        eviction: they do not look the queue up in the lower tiers again (for Mooncake, a round
-        trip per waiting request at every scheduling call); SGLang's own refreshes still do."""
-        if key.extra_key is not None or key.cache_salt is not None or len(key) == 0:
-            return
-        tokens = list(key.raw_token_ids())
-        self.tree.touch(tokens)
-        if not self.eviction_refresh:
-            self.lifecycle.prefetch(tokens)  # lower tiers: start copying its boundary up to host memory
-
-    def refresh_waiting_now(self) -> bool:
-        """Whether SGLang's waiting-queue refresh (:meth:`touch_prefix`) should run at this
-        scheduling call rather than at its own interval (every 32nd call that may admit): yes
-        when the tree evicted since the last such answer. The refresh tells eviction which
-        checkpoints the queued requests will restore from, and in what order they will be
-        admitted (:func:`~sglang_k3.cache.ranking.rank`); under pressure an order 31 calls old
-        misses every request that finished since and queued its next turn. Without evictions
-        the order is not read, and the refresh stays at SGLang's interval
-        (``patches/schedule_policy_waiting_refresh.py``)."""
-        st = self.tree.stats
-        evicted = st.evicted_kv_tokens + st.evicted_checkpoints
-        if evicted == self._evicted_at_refresh:
-            return False
-        self._evicted_at_refresh = evicted
-        return True
-
     def _cow_into_request(self, req, handle: int) -> None:
         """Give ``req`` a private slot whose state will be a copy of checkpoint ``handle`` when its
         next forward reads it (the checkpoint stays pinned until then)."""
@@ -322,7 +278,7 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
 
     def _checkpoint(self, req, up_to: int, kind: Optional[CheckpointKind]) -> None:
         finished = req.finished()
-        if _request_namespaced(req) or up_to <= 0:
+        if request_namespaced(req) or up_to <= 0:
             if finished:
                 self._release_request_slot(req)
             return
@@ -460,43 +416,6 @@ class K3RadixCache(CacheMemory, BasePrefixCache):
         self._consume_export(req)
         self._release_request_slot(req)
 
-    def held_back(self, queue: Sequence, room: int) -> list:
-        """The waiting requests that should stay queued at this scheduling call, which can admit
-        ``room`` more: of the first ``room`` in ``queue`` (at least one, at most
-        ``TierBridge.HOLD_LOOKAHEAD``: each lookup may ask Mooncake), those whose boundary is
-        being copied up from Mooncake into the host tier (:meth:`CacheLifecycle.held_for_tiers
-        <sglang_k3.cache.lifecycle.CacheLifecycle.held_for_tiers>`), so that its promotion does
-        not read the network on the scheduler's thread."""
-        if not self.may_hold():
-            return []
-        return [
-            req
-            for req in queue[: max(1, min(room, self.lifecycle.bridge.HOLD_LOOKAHEAD))]
-            if not _request_namespaced(req)
-            # its tokens are built only when a lookup is due (the scheduler asks every iteration)
-            and self.lifecycle.held_for_tiers(req.rid, lambda r=req: [*r.origin_input_ids, *r.output_ids])
-        ]
-
-    def may_hold(self) -> bool:
-        """Whether :meth:`held_back` can ever leave a request out: lower tiers with a host tier
-        above another. The scheduler asks at every iteration, before it counts its free rows."""
-        bridge = self.lifecycle.bridge
-        return bridge is not None and bridge.may_hold
-
-    def match_not_admitted(self, req) -> None:
-        """SGLang's prefill loop matched ``req`` (its hit pinned, its restore queued) and then did
-        not admit it (``PrefillAdder.add_one_req``: no room; ``patches/prefill_adder_not_admitted.py``).
-        Drop what the match holds, so the batch admitted before it gets the memory it was counted
-        on: a pinned hit locks its path's KV and its checkpoint, and SGLang's adder only checked
-        the earlier requests against memory that was free or evictable before this match.
-        Without this, the batch's KV allocation can come up short (SGLang's "Out of memory" at
-        ``alloc_for_extend``). SGLang frees the request's state slot itself; its queued restore
-        would write a slot that is no longer the request's, so it is cancelled too. The request
-        is matched again when the loop next reaches it."""
-        self.lifecycle.release_pin(req.rid)
-        self._round_extend.pop(req.rid, None)
-        self.matches_not_admitted += 1
-
     def release_aborted_request(self, handle) -> None:
         """Upstream's abort of a request that never ran (waiting queue, queue limit, priority)
         reaches the cache only here, with no finished reason set on the request: forget it now
@@ -538,8 +457,3 @@ def _eviction_policy(hf_config: Optional[dict]) -> EvictionPolicy:
         return EvictionPolicy()
     kv_dtype = "fp32" if str(hf_config.get("torch_dtype", "")).endswith("float32") else "bf16"
     return EvictionPolicy(cost=from_hf_config(hf_config), kv_dtype=kv_dtype)
-
-
-def _request_namespaced(req) -> bool:
-    """Requests in a LoRA / cache-salt namespace are not shared through this tree."""
-    return getattr(req, "extra_key", None) is not None or getattr(req, "cache_salt", None) is not None
