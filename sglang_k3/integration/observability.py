@@ -173,6 +173,8 @@ COUNTERS: dict[str, str] = {
     "tier_host_recycled": "Host tier: objects built in a spare buffer instead of fresh memory.",
     "tier_host_pin_registered": "Host tier on CUDA: buffers page-locked (cudaHostRegister).",
     "tier_host_pin_failures": "Host tier on CUDA: buffers the driver would not page-lock (left pageable).",
+    "tier_host_pin_stale_ranges": "Host tier on CUDA: new mappings found registered already (kept unused).",
+    "tier_host_pin_unregister_failures": "Host tier on CUDA: freed buffers not unregistered (mapping kept).",
     "tier_errors": "Lower tiers: exceptions raised by a tier (logged; the device cache carried on).",
     "tier_l3_hits": "Mooncake tier: loads whose boundary came from the Mooncake store.",
     "tier_host_hit_tokens": "Host tier: prefix tokens its loads gained over the device's own restore point.",

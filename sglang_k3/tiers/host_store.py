@@ -196,7 +196,8 @@ class HostStore:
         d = self.counters.as_dict(f"tier_{self.name}")
         d[f"tier_{self.name}_bytes"] = self.used_bytes
         d[f"tier_{self.name}_spare_bytes"] = self.spare_bytes
-        for field in ("registered", "failures"):  # a pinning allocator's counts (CUDA)
+        # a pinning allocator's counts (CUDA)
+        for field in ("registered", "failures", "stale_ranges", "unregister_failures"):
             if hasattr(self._alloc, field):
                 d[f"tier_{self.name}_pin_{field}"] = getattr(self._alloc, field)
         d[f"tier_{self.name}_state_bytes"] = self.held_state_bytes

@@ -79,37 +79,101 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+# cudaErrorHostMemoryAlreadyRegistered: part of the range is page-locked already
+HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
 class PinnedHostMemory:
     """New host-tier buffers on CUDA, page-locked so the device copies into and out of them at
     the host link's rate (``alloc`` of :class:`~sglang_k3.tiers.host_store.HostStore`).
 
-    Each buffer is its own anonymous mapping (page-aligned, so two buffers never share a page,
-    which ``cudaHostRegister`` would refuse), registered with ``cudaHostRegister`` and
-    unregistered by a finalizer when the buffer is freed (numpy runs weakref callbacks before it
-    releases the mapping). Pinning costs a registration per buffer; the host store reuses the
-    buffers of the objects it drops, so a full tier pins nothing new. A registration the driver
-    refuses leaves a pageable buffer: correct, only slower (counted in ``failures``)."""
+    Each buffer is its own anonymous mapping (page-aligned, so two buffers never share a page),
+    registered with ``cudaHostRegister`` and unregistered when the buffer is freed. Pinning costs
+    a registration per buffer; the host store reuses the buffers of the objects it drops, so a
+    full tier pins nothing new. A registration the driver refuses leaves a pageable buffer:
+    correct, only slower (counted in ``failures``).
 
-    def __init__(self) -> None:
-        self._rt = torch.cuda.cudart()
+    **Every registration and unregistration runs on one thread of its own**, which launches
+    nothing. A refused call leaves its error as the calling thread's last CUDA error, and torch's
+    runtime binding has no ``cudaGetLastError`` to clear it: on the scheduler's thread the next
+    kernel launch raised it (seen on an H200: a refused registration failed the save of 18
+    boundaries at its ``index_select``; in a forward it would stop the server). On this thread the
+    error stays where nothing reads it.
+
+    **A range the driver already holds registered** (``cudaErrorHostMemoryAlreadyRegistered``,
+    seen on the GPU with fresh mappings; the cause is not known) is never used: a copy through it
+    would use the driver's old registration of that address. Its mapping is kept (``held``), so
+    the address is not handed out again, and a new mapping is tried (``stale_ranges``). For the
+    same reason a mapping whose unregistration the driver refuses is kept mapped
+    (``unregister_failures``). ``runtime``: the CUDA runtime's ``cudaHostRegister`` /
+    ``cudaHostUnregister`` (torch's, by default)."""
+
+    ATTEMPTS = 3  # mappings tried for one buffer while the driver reports their range registered
+
+    def __init__(self, runtime=None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._rt = runtime if runtime is not None else torch.cuda.cudart()
+        self._pin = ThreadPoolExecutor(1, thread_name_prefix="k3-host-pin")
         self.registered = 0
         self.failures = 0
+        self.stale_ranges = 0
+        self.unregister_failures = 0
+        self.held: list[mmap.mmap] = []  # mappings never unmapped: the driver may hold their range
+
+    def _call(self, fn, *args) -> int:
+        try:
+            return int(self._pin.submit(fn, *args).result())
+        except RuntimeError:  # the executor is shut down (interpreter exit): no other thread runs CUDA now
+            return int(fn(*args))
 
     def __call__(self, n: int) -> np.ndarray:
         if n == 0:
             return np.empty(0, dtype=np.uint8)
-        region = mmap.mmap(-1, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
-        buf = np.frombuffer(region, dtype=np.uint8, count=n)  # holds the mapping while it lives
-        ptr = buf.ctypes.data
-        rc = self._rt.cudaHostRegister(ptr, n, 0)
-        if int(rc) != 0:
-            if not self.failures:
-                logger.warning("k3 host tier: cudaHostRegister of %d bytes failed (%s); using pageable buffers", n, rc)
-            self.failures += 1
-            return buf
-        self.registered += 1
-        weakref.finalize(buf, self._rt.cudaHostUnregister, ptr)
-        return buf
+        size = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        for _ in range(self.ATTEMPTS):
+            region = mmap.mmap(-1, size)
+            buf = np.frombuffer(region, dtype=np.uint8, count=n)  # holds the mapping while it lives
+            ptr = buf.ctypes.data
+            rc = self._call(self._rt.cudaHostRegister, ptr, n, 0)
+            if rc == 0:
+                self.registered += 1
+                weakref.finalize(buf, self._unpin, ptr, region)  # runs before numpy lets the mapping go
+                return buf
+            if rc != HOST_MEMORY_ALREADY_REGISTERED:
+                if not self.failures:
+                    logger.warning(
+                        "k3 host tier: cudaHostRegister of %d bytes failed (CUDA error %d); using pageable buffers",
+                        n,
+                        rc,
+                    )
+                self.failures += 1
+                return buf
+            if not self.stale_ranges:
+                logger.warning(
+                    "k3 host tier: cudaHostRegister found a fresh mapping's range already registered (CUDA error %d); "
+                    "keeping that mapping out of use and taking another",
+                    rc,
+                )
+            self.stale_ranges += 1
+            del buf
+            self.held.append(region)
+        self.failures += 1
+        return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8, count=n)
+
+    def _unpin(self, ptr: int, region: mmap.mmap) -> None:
+        """The buffer at ``ptr`` is gone: unregister it on the pin thread, then let its mapping go
+        (the closure holds it until then), or keep the mapping if the driver refused."""
+
+        def run() -> None:
+            if int(self._rt.cudaHostUnregister(ptr)) != 0:
+                self.unregister_failures += 1
+                self.held.append(region)
+
+        try:
+            self._pin.submit(run)
+        except RuntimeError:  # interpreter exit
+            run()
 
 
 def host_buffers_for(device: torch.device):

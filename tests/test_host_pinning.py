@@ -1,0 +1,130 @@
+"""The host tier's page-locked buffers (``PinnedHostMemory``) against a driver's registration
+rules, on CPU.
+
+The CUDA runtime is replaced by :class:`Driver`, which keeps the driver's registration table the
+way the real one behaves (page-granular ranges; ``cudaErrorHostMemoryAlreadyRegistered``, 712,
+for a range that overlaps a registered one; ``cudaErrorHostMemoryNotRegistered``, 713, for an
+unknown pointer) and records the thread of each call. What is under test is the allocator's
+handling of those answers, seen on an H200 and an H100: a refusal must never reach the thread
+that launches kernels, a range the driver holds is never used, and a mapping the driver may
+still hold is never unmapped.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import threading
+
+import numpy as np
+
+from sglang_k3.tiers.host_store import HostStore
+from sglang_k3.tiers.torch_io import HOST_MEMORY_ALREADY_REGISTERED, PinnedHostMemory
+
+NOT_REGISTERED = 713
+PAGE = mmap.PAGESIZE
+
+
+class Driver:
+    """The runtime's ``cudaHostRegister`` / ``cudaHostUnregister`` over a registration table."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, tuple[int, int]] = {}  # ptr -> [first page, last page + 1)
+        self.threads: set[int] = set()
+        self.stale_next = 0  # the next N registrations find their range registered (a leaked one)
+        self.refuse_unregister: set[int] = set()
+        self.fail_next_with = 0
+
+    def _pages(self, ptr: int, n: int) -> tuple[int, int]:
+        return ptr // PAGE, -(-(ptr + n) // PAGE)
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:  # noqa: N802 (the runtime's name)
+        self.threads.add(threading.get_ident())
+        if self.fail_next_with:
+            rc, self.fail_next_with = self.fail_next_with, 0
+            return rc
+        lo, hi = self._pages(ptr, n)
+        if self.stale_next:  # the driver kept an earlier registration of this address range
+            self.stale_next -= 1
+            self.ranges[-ptr] = (lo, hi)
+        if any(a < hi and lo < b for a, b in self.ranges.values()):
+            return HOST_MEMORY_ALREADY_REGISTERED
+        self.ranges[ptr] = (lo, hi)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.threads.add(threading.get_ident())
+        if ptr in self.refuse_unregister or ptr not in self.ranges:
+            return NOT_REGISTERED
+        del self.ranges[ptr]
+        return 0
+
+
+def _settle(pin: PinnedHostMemory) -> None:
+    gc.collect()
+    pin._pin.submit(lambda: None).result()  # the unregistrations queued before it have run
+
+
+def _mapped(region: mmap.mmap) -> bool:
+    return not region.closed and len(region) > 0
+
+
+def test_registrations_run_on_a_thread_that_launches_nothing_and_are_undone_when_freed():
+    drv = Driver()
+    pin = PinnedHostMemory(runtime=drv)
+    bufs = [pin(n) for n in (1, PAGE, 3 * PAGE + 5, 1_216_572)]
+    assert [b.nbytes for b in bufs] == [1, PAGE, 3 * PAGE + 5, 1_216_572]
+    assert all(b.ctypes.data % PAGE == 0 for b in bufs)
+    assert pin.registered == 4 and pin.failures == 0 and len(drv.ranges) == 4
+    assert threading.get_ident() not in drv.threads and len(drv.threads) == 1
+    bufs[2][:] = 7  # writable, its own pages
+    del bufs
+    _settle(pin)
+    assert drv.ranges == {} and pin.unregister_failures == 0 and pin.held == []
+    assert threading.get_ident() not in drv.threads and len(drv.threads) == 1
+
+
+def test_a_range_the_driver_holds_registered_is_kept_out_of_use_and_another_is_taken():
+    drv = Driver()
+    pin = PinnedHostMemory(runtime=drv)
+    drv.stale_next = 1
+    buf = pin(100_000)
+    assert pin.stale_ranges == 1 and pin.registered == 1 and pin.failures == 0
+    (stale,) = pin.held
+    assert _mapped(stale)  # never unmapped, so the address is not handed out again
+    stale_ptr = np.frombuffer(stale, dtype=np.uint8).ctypes.data
+    assert buf.ctypes.data != stale_ptr
+    assert buf.ctypes.data in drv.ranges  # the buffer in use is the one registered
+    # every attempt refused: a pageable buffer, counted, and the refused mappings all kept
+    drv.stale_next = PinnedHostMemory.ATTEMPTS
+    plain = pin(5000)
+    assert plain.nbytes == 5000 and plain.ctypes.data not in drv.ranges
+    assert pin.failures == 1 and pin.stale_ranges == 1 + PinnedHostMemory.ATTEMPTS
+    assert len(pin.held) == 1 + PinnedHostMemory.ATTEMPTS and all(map(_mapped, pin.held))
+
+
+def test_a_refused_unregistration_keeps_the_mapping_and_other_refusals_leave_a_pageable_buffer():
+    drv = Driver()
+    pin = PinnedHostMemory(runtime=drv)
+    buf = pin(PAGE * 2)
+    drv.refuse_unregister.add(buf.ctypes.data)
+    del buf
+    _settle(pin)
+    assert pin.unregister_failures == 1 and len(pin.held) == 1 and _mapped(pin.held[0])
+    drv.fail_next_with = 2  # cudaErrorMemoryAllocation: not retried
+    buf = pin(PAGE)
+    assert pin.failures == 1 and pin.stale_ranges == 0 and buf.ctypes.data not in drv.ranges
+    buf[:] = 1
+
+
+def test_the_host_store_reports_the_allocators_counts():
+    drv = Driver()
+    pin = PinnedHostMemory(runtime=drv)
+    store = HostStore(1 << 20, alloc=pin)
+    drv.stale_next = 1
+    store.blank(100, 1000)
+    stats = store.stats()
+    assert stats["tier_host_pin_registered"] == 1
+    assert stats["tier_host_pin_stale_ranges"] == 1
+    assert stats["tier_host_pin_unregister_failures"] == 0
+    assert stats["tier_host_pin_failures"] == 0
