@@ -142,12 +142,12 @@ ab)
   # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (above).
   GSP=${AB_GSP:-"--gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8"}
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
+  TRACE_ARGS="--trace $TRACE --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 --trace-max-output 32 --trace-concurrency 8"
   if [ -z "${AB_NO_DEFAULT:-}" ]; then  # AB_NO_DEFAULT=1: the pressure run only
     timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads ${AB_WORKLOADS:-gsp,multiturn,trace} \
       $GSP $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
-      --trace "$TRACE" --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 \
-      --trace-max-output 32 --trace-concurrency 8 --out "$RES/default" --log-dir "$RES/logs" --quiet
+      $TRACE_ARGS --out "$RES/default" --log-dir "$RES/logs" --quiet
     echo "live_ab exit $?"
     pkill -f sglang_k3.launch_server; sleep 2
   fi
@@ -157,7 +157,7 @@ ab)
     timeout ${AB_PRESSURE_TIMEOUT:-200} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON --max-total-tokens 24576 --max-mamba-cache-size 24" \
       --k3-server-args "${AB_K3_PRESSURE_ARGS---k3-host-tier-gib 2}" --workloads ${AB_PRESSURE_WORKLOADS:-multiturn} $GSP $MT --mt-conversations 12 --mt-system-len 512 \
-      --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
+      $TRACE_ARGS --out "$RES/pressure" --log-dir "$RES/logs_pressure" --quiet
     echo "live_ab (pressure) exit $?"
     pkill -f sglang_k3.launch_server; sleep 2
   fi
