@@ -51,6 +51,7 @@ PATCH_MODULES: list[str] = [
     "spec_scatter_mamba_states",
     "torch_native_target_verify",
     "spec_finish_rewind",
+    "kimi_linear_eagle",
 ]
 
 _registered = False

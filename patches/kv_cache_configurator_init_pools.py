@@ -7,7 +7,10 @@ k3 checkpoints, and no registry offers a pool factory for hybrid KDA models (the
 ``get_kv_pool_cls`` picks the KV pool class only). So an after-hook takes what SGLang built and,
 when the k3 cache will run with unified memory, rebuilds the two pools over one buffer and swaps
 in the unified allocators (:func:`sglang_k3.integration.unified_memory.install`). It runs before
-any attention backend reads a pool, in every TP worker, on the target model only.
+any attention backend reads a pool, in every TP worker, on the target model only. With a draft
+model (EAGLE / EAGLE3) the pools stay SGLang's: the draft's KV pool is sized from the target's
+fixed pool and shares its allocator, whose unified ids would run past it (``launch_server`` turns
+unified memory off for them and says so; this covers the other entry points).
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ CPU_ONLY = False
 
 
 def wanted(server_args, cfg) -> bool:
+    from sglang_k3.integration.k3_args import DRAFT_MODEL_ALGORITHMS
+
     return (
         cfg.unified_memory
         and getattr(server_args, "radix_cache_backend", None) == "k3"
         and not getattr(server_args, "disable_radix_cache", False)
+        and str(getattr(server_args, "speculative_algorithm", None) or "").upper() not in DRAFT_MODEL_ALGORITHMS
     )
 
 

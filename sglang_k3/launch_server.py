@@ -128,18 +128,21 @@ def _check_page_size(argv: list[str]) -> None:
 
 
 def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], K3Config]:
-    """Speculative decoding with the k3 cache: NGRAM serves, the rest stops here, before SGLang
-    starts (:func:`~sglang_k3.integration.k3_args.check_speculative` says why). On the CPU
-    platform NGRAM verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10). On a GPU
-    the k3 cache runs over SGLang's fixed pools with speculation: on an H100 its verify ran 0.56x
-    the cache-off server's output tokens/s over the unified buffer and 0.83x over fixed pools
-    (benchmarks/GPU_NOTES.md, sixth session); on CPU the two are alike, so unified memory stays."""
+    """Speculative decoding with the k3 cache: NGRAM serves, and on a GPU EAGLE / EAGLE3 with draft
+    chains; the rest stops here, before SGLang starts
+    (:func:`~sglang_k3.integration.k3_args.check_speculative` says why). On the CPU platform NGRAM
+    verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10). On a GPU the k3 cache
+    runs over SGLang's fixed pools with speculation: on an H100 its verify ran 0.56x the cache-off
+    server's output tokens/s over the unified buffer and 0.83x over fixed pools
+    (benchmarks/GPU_NOTES.md, sixth session); an EAGLE draft model's KV pool is sized from the
+    target's fixed pool, so the unified allocator's ids would run past it. On CPU the two are
+    alike, so unified memory stays (CPU serves NGRAM only)."""
     import dataclasses
 
     algorithm = _value(argv, "--speculative-algorithm")
     if not algorithm or not _k3_serves(argv):
         return argv, cfg
-    from sglang_k3.integration.k3_args import NGRAM_CPU_BREADTH_FLAG, check_speculative
+    from sglang_k3.integration.k3_args import EAGLE_TOPK_FLAG, NGRAM_CPU_BREADTH_FLAG, check_speculative
 
     if cpu and str(algorithm).upper() == "NGRAM" and _value(argv, NGRAM_CPU_BREADTH_FLAG) is None:
         print(
@@ -149,13 +152,23 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
         )
         argv = argv + [NGRAM_CPU_BREADTH_FLAG, "1"]
     try:
-        check_speculative(algorithm, cpu=cpu, ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG))
+        check_speculative(
+            algorithm,
+            cpu=cpu,
+            ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG),
+            eagle_topk=_value(argv, EAGLE_TOPK_FLAG),
+        )
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if not cpu and cfg.unified_memory:
         print(
             f"sglang-k3: --speculative-algorithm {algorithm} on a GPU: the k3 cache runs over SGLang's own KV and "
-            "state pools (as --k3-no-unified-memory): the verify ran slower over the unified buffer",
+            "state pools (as --k3-no-unified-memory): the verify ran slower over the unified buffer"
+            + (
+                ", and a draft model's KV pool is sized from SGLang's own"
+                if str(algorithm).upper() in ("EAGLE", "EAGLE3")
+                else ""
+            ),
             file=sys.stderr,
         )
         cfg = dataclasses.replace(cfg, unified_memory=False)

@@ -128,8 +128,8 @@ def test_the_k3_factory_refuses_extra_buffer():
 def test_the_k3_factory_refuses_speculative_decoding_it_cannot_serve(monkeypatch):
     """Started another way (sglang.launch_server --radix-cache-backend k3 --speculative-algorithm
     ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts: EAGLE
-    (no draft path for the KDA model), and on CPU an NGRAM draft tree (SGLang's breadth default
-    of 10; the CPU path verifies chains)."""
+    on CPU (no CPU draft path in SGLang), NEXTN (no MTP layer in the KDA model), and on CPU an
+    NGRAM draft tree (SGLang's breadth default of 10; the CPU path verifies chains)."""
     from types import SimpleNamespace
 
     from sglang_k3.integration.radix_backends import k3_factory
@@ -143,8 +143,10 @@ def test_the_k3_factory_refuses_speculative_decoding_it_cannot_serve(monkeypatch
             server_args=SimpleNamespace(mamba_radix_cache_strategy="no_buffer", **spec),
         )
 
-    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE: the k3 cache does not serve with it"):
+    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE on CPU: SGLang 0.5.23's CPU platform has no"):
         k3_factory(ctx(speculative_algorithm="EAGLE"))
+    with pytest.raises(ValueError, match="--speculative-algorithm NEXTN: the k3 cache does not serve with it"):
+        k3_factory(ctx(speculative_algorithm="NEXTN"))
     with pytest.raises(ValueError, match="--speculative-ngram-max-bfs-breadth 10: on CPU the k3 cache verifies"):
         k3_factory(ctx(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=10))
 
@@ -208,8 +210,9 @@ def test_k3_with_another_state_strategy_is_refused_with_the_reason():
 
 def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkeypatch, capsys):
     """NGRAM serves with the k3 cache; on CPU its breadth defaults to 1 (draft chains: the CPU
-    verify path), and a wider one is refused before SGLang starts. EAGLE-family algorithms are
-    refused with the reason. SGLang's own cache and a cache-off server are SGLang's to check."""
+    verify path), and a wider one is refused before SGLang starts. EAGLE and EAGLE3 are refused on
+    CPU and the rest everywhere, with the reason (EAGLE on a GPU: test_speculative_eagle.py).
+    SGLang's own cache and a cache-off server are SGLang's to check."""
     import pytest
 
     from sglang_k3 import launch_server as L
@@ -226,7 +229,9 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
         L.build_argv(
             ["--model-path", "/m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "4"]
         )
-    for algo in ("EAGLE3", "STANDALONE"):
+    with pytest.raises(SystemExit, match="--speculative-algorithm EAGLE3 on CPU: SGLang 0.5.23's CPU platform"):
+        L.build_argv(["--model-path", "/m", "--speculative-algorithm", "EAGLE3"])
+    for algo in ("NEXTN", "STANDALONE"):
         with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve with it"):
             L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)

@@ -332,7 +332,16 @@ def current() -> K3Config:
 NGRAM_CPU_BREADTH_FLAG = "--speculative-ngram-max-bfs-breadth"
 
 
-def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None) -> None:
+EAGLE_TOPK_FLAG = "--speculative-eagle-topk"
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3")  # served with a draft model (sglang_k3.model.tiny_draft builds one)
+EAGLE_CPU_REASON = (
+    "SGLang 0.5.23's CPU platform has no EAGLE draft path (the draft's tree, cache-location and bonus-token ops "
+    "are CUDA/Triton kernels, there is no torch_native draft attention backend, and its own check refuses it); "
+    "EAGLE and EAGLE3 serve on a CUDA GPU, and NGRAM serves on CPU"
+)
+
+
+def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None) -> None:
     """Which speculative decoding the k3 cache serves with, refused with the reasons otherwise
     (read in SGLang 0.5.23; issue #34), before it can fail inside a scheduler. Called by
     ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point).
@@ -343,9 +352,14 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None) -> No
       On the CPU platform the verify runs on torch ops (``kernels/spec``, ``patches/spec_*``,
       ``patches/torch_native_target_verify``) for draft chains only: ``ngram_breadth`` must be 1
       (``launch_server`` sets it), and ``patches/ngram_chain_drafts`` makes each draft a chain.
-    * **EAGLE / EAGLE3 / NEXTN** need a draft head on the target: ``KimiLinearForCausalLM`` has no
-      MTP/NextN layer and lacks ``get_embed_and_head`` / ``set_eagle3_layers_to_capture``; on the
-      CPU platform SGLang's out-of-tree check refuses them anyway.
+    * **EAGLE / EAGLE3** (a draft model: ``--speculative-draft-model-path``) serve on a CUDA GPU
+      with draft chains (``eagle_topk`` 1, or unset: SGLang then picks 1 for this model), over
+      SGLang's fixed KV and state pools (``launch_server`` turns unified memory off; the draft's
+      KV pool is sized from the target's). ``patches/kimi_linear_eagle`` gives
+      ``KimiLinearForCausalLM`` the two methods the draft asks of its target. Draft trees
+      (topk > 1) are not tested with the k3 cache (SGLang's FlashInfer KDA verify refuses them).
+      On the CPU platform they are refused (:data:`EAGLE_CPU_REASON`).
+    * **NEXTN** needs an MTP/NextN layer in the target: ``KimiLinearForCausalLM`` has none.
     * **STANDALONE** (a small draft model of the same vocabulary) and the rest (DFLASH, UNO,
       DSPARK, FROZEN_KV_MTP) are not tested with the k3 cache; on the CPU platform SGLang refuses
       them (its out-of-tree check, or CUDA-only workers)."""
@@ -360,10 +374,20 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None) -> No
                 f"have no CPU path). Use {NGRAM_CPU_BREADTH_FLAG} 1 (sglang_k3.launch_server's default on CPU)"
             )
         return
+    if name in DRAFT_MODEL_ALGORITHMS:
+        if cpu:
+            raise ValueError(f"--speculative-algorithm {algorithm} on CPU: {EAGLE_CPU_REASON}")
+        if eagle_topk is not None and int(eagle_topk) != 1:
+            raise ValueError(
+                f"--speculative-algorithm {algorithm} {EAGLE_TOPK_FLAG} {eagle_topk}: the k3 cache serves EAGLE "
+                f"with draft chains only ({EAGLE_TOPK_FLAG} 1): draft trees are not tested with it, and SGLang's "
+                "FlashInfer KDA verify refuses them"
+            )
+        return
     why = (
-        "SGLang 0.5.23 has no draft path for KimiLinearForCausalLM (no MTP/NextN head; EAGLE needs "
-        "get_embed_and_head and set_eagle3_layers_to_capture, which it lacks)"
-        if name in ("EAGLE", "EAGLE3", "NEXTN")
+        "KimiLinearForCausalLM has no MTP/NextN layer to draft with (EAGLE or EAGLE3 with a draft model serve "
+        "on a GPU: --speculative-draft-model-path)"
+        if name == "NEXTN"
         else "it is not tested with the k3 cache (and on CPU SGLang refuses it)"
     )
     raise ValueError(

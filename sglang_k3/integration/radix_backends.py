@@ -45,6 +45,7 @@ def k3_factory(ctx):
         getattr(sa, "speculative_algorithm", None),
         cpu=cpu_platform_wanted(),
         ngram_breadth=getattr(sa, "speculative_ngram_max_bfs_breadth", None),
+        eagle_topk=getattr(sa, "speculative_eagle_topk", None),
     )
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext
