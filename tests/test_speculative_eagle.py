@@ -8,12 +8,18 @@
   ``configure_aux_hidden_state_capture`` (what the model runner calls for EAGLE3). The forward's
   aux capture itself (KimiLinear's DSPARK path) needs attention backends and pools: the GPU run
   covers it (benchmarks/gpu_serving.sh spec, SPEC_ALGO);
+* ``sglang_k3.model.tiny_draft``: its files load into SGLang's ``LlamaForCausalLMEagle`` /
+  ``LlamaForCausalLMEagle3`` (``load_weights``, which skips unknown names silently: every
+  parameter not shared with the target must come from the file, and every tensor of the file
+  must land in one).
 
 The serving path itself (EAGLE's draft ops and draft attention) is CUDA-only in SGLang 0.5.23.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from types import SimpleNamespace
 
@@ -168,3 +174,50 @@ def test_eagle3_capture_is_configured_through_sglangs_call_site(kimi):
     for bad in ([1, 1, 2], [0, n]):
         with pytest.raises(ValueError, match=f"KimiLinearForCausalLM has {n} layers"):
             configure(bad)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_draft_builder_output_loads_into_sglangs_draft_class(sglang_cpu, tmp_path, kind):
+    from safetensors import safe_open
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from transformers import LlamaConfig
+
+    from sglang_k3.model.tiny_build import default_model_path
+    from sglang_k3.model.tiny_draft import KINDS, build_draft
+
+    target = default_model_path()
+    out = build_draft(target, str(tmp_path / kind), kind)
+    with open(os.path.join(target, "config.json")) as f:
+        tcfg = json.load(f)
+    cfg = LlamaConfig.from_pretrained(out)
+    assert cfg.architectures == [KINDS[kind]] and cfg.hidden_size == tcfg["hidden_size"]
+    if kind == "eagle":
+        from sglang.srt.models.llama_eagle import LlamaForCausalLMEagle as cls
+
+        shared = {"model.embed_tokens.weight", "lm_head.weight"}  # set_embed_and_head from the target
+    else:
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3 as cls
+
+        shared = {"model.embed_tokens.weight"}  # set_embed from the target (same hidden size)
+        assert cfg.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    model = cls(cfg)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    model.load_weights(safetensors_weights_iterator([os.path.join(out, "model.safetensors")]))
+    missing = sorted(n for n, p in params.items() if n not in shared and not bool(p.abs().sum() > 0))
+    assert missing == []
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        written = sum(f.get_tensor(k).numel() for k in f.keys())  # noqa: SIM118 - safe_open is not iterable
+    # every written tensor landed in a parameter, and nothing else was written (ParallelLMHead
+    # pads its rows to a multiple of 64: the padding is not in a checkpoint)
+    rows = {"lm_head.weight": cfg.vocab_size}
+    assert written == sum(p[: rows.get(n)].numel() for n, p in params.items() if n not in shared)
+    if kind == "eagle":
+        assert model.model.fc.weight.shape == (cfg.hidden_size, 2 * cfg.hidden_size)
+        assert not hasattr(model.model.layers[0], "input_layernorm")
+    else:
+        assert model.model.fc.weight.shape == (cfg.hidden_size, 3 * tcfg["hidden_size"])
+        assert model.model.layers[0].self_attn.qkv_proj.weight.shape[1] == 2 * cfg.hidden_size
+        assert model.lm_head.org_vocab_size == tcfg["vocab_size"] and not model.load_lm_head_from_target
