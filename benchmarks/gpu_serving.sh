@@ -28,7 +28,8 @@
 #                 --enable-deterministic-inference: does it run with these backends, does the floor shrink?
 #   probe         benchmarks.gpu_probe: which of several server configurations serve a small batched
 #                 multi-turn workload, each alone, with CUDA_LAUNCH_BLOCKING=1 (PROBE_CONFIGS).
-#   spec          benchmarks.spec_ab (NGRAM speculative decoding, issue 34): k3 with and without it,
+#   spec          benchmarks.spec_ab (speculative decoding, issue 34; NGRAM, or SPEC_ALGO=EAGLE3|EAGLE with a
+#                 random draft model built here): k3 with and without it,
 #                 upstream with it (extra_buffer), cache off with it; greedy mismatches against k3
 #                 are informational in bf16 (the noise floor: two cache-off servers disagree too).
 #   profile       the ab phase's pressure run with k3 and upstream only, each scheduler under cProfile
@@ -185,8 +186,19 @@ probe)
   pkill -f sglang_k3.launch_server; sleep 2
   ;;
 spec)
-  # SPEC_ARGS: the speculative servers' flags (default spec_ab's: NGRAM, 4 drafts, one chain)
+  # SPEC_ARGS: the speculative servers' flags (default spec_ab's: NGRAM, 4 drafts, one chain).
+  # SPEC_ALGO=EAGLE3 or EAGLE (default NGRAM): build a random draft for $MODEL (sglang_k3.model.tiny_draft:
+  # one Llama layer, bf16 like the target) and, unless SPEC_ARGS is given, pass it with draft chains
+  # (3 steps, topk 1, 4 draft tokens) to every speculative server (k3, upstream, cache off).
   COMMON="--model-path $MODEL $KERNELS --mem-fraction-static 0.1 --max-running-requests 16"
+  SPEC_ALGO=${SPEC_ALGO:-NGRAM}
+  if [ "$SPEC_ALGO" != NGRAM ]; then
+    KIND=$(echo "$SPEC_ALGO" | tr A-Z a-z)
+    DRAFT=$MODEL-draft-$KIND
+    python3 -m sglang_k3.model.tiny_draft --target $MODEL --out $DRAFT --kind $KIND || exit 1
+    cp $DRAFT/config.json "$RES/draft_config.json"
+    SPEC_ARGS=${SPEC_ARGS:-"--speculative-algorithm $SPEC_ALGO --speculative-draft-model-path $DRAFT --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"}
+  fi
   timeout ${SPEC_TIMEOUT:-480} python3 -m benchmarks.spec_ab --server-args "$COMMON" \
     ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --conversations 4 --turns 3 --system-len 1024 --first-len 512 --user-len 128 \
     --repeat-prompts 4 --repeat-len 1024 \

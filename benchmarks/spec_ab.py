@@ -10,7 +10,10 @@ The same workloads on four servers of the embedded model, one after another (iss
 
 Every server runs ``--server-args`` (default: none, what ships: int8 checkpoints) and the speculative
 ones ``--spec-args`` (default NGRAM with ``--speculative-num-draft-tokens 4``; on CPU a breadth of 1,
-draft chains, which ``launch_server`` sets for k3 and which is passed to the others too). Workloads:
+draft chains, which ``launch_server`` sets for k3 and which is passed to the others too). On a GPU
+``--spec-args`` may name EAGLE or EAGLE3 with a draft model instead (the same flags reach all three
+speculative servers; ``benchmarks/gpu_serving.sh spec`` with ``SPEC_ALGO`` builds one with
+``sglang_k3.model.tiny_draft``). Workloads:
 
 * ``multiturn``: ``--conversations`` chats taking turns, each turn the previous prompt + the server's
   greedy reply + new user tokens (``benchmarks.live.workloads.run_multiturn``);
@@ -91,6 +94,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def algorithm(spec_args: str) -> str:
+    """The ``--speculative-algorithm`` of ``spec_args`` (for titles)."""
+    words = shlex.split(spec_args)
+    for i, w in enumerate(words):
+        if w.startswith("--speculative-algorithm="):
+            return w.split("=", 1)[1]
+        if w == "--speculative-algorithm" and i + 1 < len(words):
+            return words[i + 1]
+    return "?"
 
 
 def server_args(name: str, args) -> list[str]:
@@ -216,9 +230,10 @@ def main(argv=None) -> int:
         "git": git_info(),
         "machine": machine_info(),
     }
-    title = f"NGRAM ({args.spec_args}); every server: {args.server_args or 'defaults'}"
+    algo = algorithm(args.spec_args)
+    title = f"{algo} ({args.spec_args}); every server: {args.server_args or 'defaults'}"
     plot(runs, os.path.join(args.out, "spec_ab.png"), title)
-    write_report(args.out, "spec_ab", result, "Speculative decoding (NGRAM) with the k3 cache", title, _table(runs))
+    write_report(args.out, "spec_ab", result, f"Speculative decoding ({algo}) with the k3 cache", title, _table(runs))
     print(_table(runs))
     _say(f"wrote {args.out}/results.json, spec_ab.png and README.md ({result['wall_s']:.0f} s)")
     return 0

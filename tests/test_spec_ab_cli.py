@@ -32,3 +32,12 @@ def test_accept_length_is_tokens_committed_per_verify():
     m = summarize_results(ok, 1.0)
     assert m["spec_verifies"] == 8 and m["accept_length"] == (8 + 4) / 8
     assert summarize_results([Result("d", prompt_tokens=3, output_ids=[1])], 1.0)["accept_length"] is None
+
+
+def test_the_report_names_the_algorithm_of_the_spec_args():
+    from benchmarks.spec_ab import DEFAULT_SPEC, algorithm
+
+    assert algorithm(DEFAULT_SPEC) == "NGRAM"
+    assert algorithm("--speculative-algorithm=EAGLE3 --speculative-draft-model-path /d") == "EAGLE3"
+    assert algorithm("--speculative-num-steps 3 --speculative-algorithm EAGLE") == "EAGLE"
+    assert algorithm("--speculative-num-steps 3") == "?"
