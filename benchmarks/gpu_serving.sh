@@ -187,6 +187,7 @@ probe)
   ;;
 spec)
   # SPEC_ARGS: the speculative servers' flags (default spec_ab's: NGRAM, 4 drafts, one chain).
+  # SPEC_ONLY: a subset of spec_ab's servers, in its order (k3_spec,k3,upstream_spec,off_spec).
   # SPEC_ALGO=EAGLE3 or EAGLE (default NGRAM): build a random draft for $MODEL (sglang_k3.model.tiny_draft:
   # one Llama layer, bf16 like the target) and, unless SPEC_ARGS is given, pass it with draft chains
   # (3 steps, topk 1, 4 draft tokens) to every speculative server (k3, upstream, cache off).
@@ -200,7 +201,7 @@ spec)
     SPEC_ARGS=${SPEC_ARGS:-"--speculative-algorithm $SPEC_ALGO --speculative-draft-model-path $DRAFT --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"}
   fi
   timeout ${SPEC_TIMEOUT:-480} python3 -m benchmarks.spec_ab --server-args "$COMMON" \
-    ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} --conversations 4 --turns 3 --system-len 1024 --first-len 512 --user-len 128 \
+    ${SPEC_ARGS:+--spec-args "$SPEC_ARGS"} ${SPEC_ONLY:+--only $SPEC_ONLY} --conversations 4 --turns 3 --system-len 1024 --first-len 512 --user-len 128 \
     --repeat-prompts 4 --repeat-len 1024 \
     --out "$RES/spec_ab" --log-dir "$RES/logs" --quiet
   echo "spec_ab exit $?"
