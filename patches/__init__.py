@@ -52,6 +52,11 @@ PATCH_MODULES: list[str] = [
     "torch_native_target_verify",
     "spec_finish_rewind",
     "kimi_linear_eagle",
+    "spec_mha_kv_copy",
+    "spec_draft_backend_torch_native",
+    "spec_assign_draft_cache_locs",
+    "spec_build_tree",
+    "spec_fill_bonus_tokens",
 ]
 
 _registered = False

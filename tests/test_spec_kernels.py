@@ -224,3 +224,89 @@ def test_cache_location_bookkeeping():
     out = torch.zeros(8, dtype=torch.int64)
     spec_torch.fill_accept_out_cache_loc(torch.tensor([[0, 2, -1, -1], [4, -1, -1, -1]]), torch.arange(8) + 70, out, 8)
     assert out[:3].tolist() == [70, 72, 74] and out[3:].tolist() == [0] * 5
+
+
+def test_eagle_draft_locations_and_bonus_tokens():
+    req_to_token = torch.arange(60).view(3, 20) + 100
+    out = torch.full((6,), -1, dtype=torch.int64)
+    positions = torch.full((4,), -1, dtype=torch.int64)
+    seq = torch.tensor([5, 11])
+    spec_torch.assign_draft_cache_locs_contiguous(torch.tensor([2, 0]), req_to_token, seq, out, 2, 1, positions)
+    assert out[:4].tolist() == [145, 146, 111, 112] and out[4:].tolist() == [-1, -1]
+    assert positions.tolist() == [5, 5, 11, 11]
+    bonus = torch.zeros(3, dtype=torch.int32)
+    accept = torch.tensor([[7, 8, 9], [4, 0, 0], [1, 2, 0]])
+    spec_torch.fill_bonus_tokens(accept.reshape(-1), torch.tensor([3, 1, 2]), bonus, 3, 3)
+    assert bonus.tolist() == [9, 4, 2]
+
+
+def _eagle_draft_tree(gen, bs: int, topk: int, steps: int, n: int):
+    """A draft's (parent_list, top_scores_index) as SGLang's own draft loop makes them: its
+    top-k selection per step (``select_top_k_tokens``; the later steps' compiled function run
+    uncompiled) over random draft probabilities, then ``organize_draft_results``."""
+    from sglang.srt.speculative import spec_utils
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+
+    later = getattr(spec_utils._select_top_k_tokens_later, "_torchdynamo_orig_callable", None)
+    later = later or spec_utils._select_top_k_tokens_later
+    scores, tree = None, []
+    for i in range(steps):
+        rows = bs if i == 0 else bs * topk
+        p = torch.rand(rows, topk, generator=gen)
+        tok = torch.randint(0, 50, (rows, topk), generator=gen)
+        if i == 0:
+            _, _, scores, info = spec_utils._select_top_k_tokens_first(p, tok, None, topk)
+        else:
+            _, _, scores, info = later(i, p, tok, None, scores, topk)
+        tree.append(info)
+    return organize_draft_results([t[0] for t in tree], [t[1] for t in tree], [t[2] for t in tree], n)[:2]
+
+
+@pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (1, 1, 2), (2, 3, 6), (3, 2, 5), (4, 4, 9)])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_eagle_tree_from_sglangs_own_draft_selection(topk, steps, n, mode):
+    """The verify tree built from a draft's selection: its mask rows are each node's path to the
+    root (node 0 and the node itself included), every row extends its parent's by one node, the
+    positions are the prefix length plus the depth, and the links equal what the mask alone
+    implies (``reconstruct_indices_from_tree_mask``, checked against SGLang's own derivation
+    above). A chain (topk 1) is the sequence itself."""
+    pytest.importorskip("sglang")
+    gen = torch.Generator().manual_seed(topk * 100 + steps * 10 + n + mode)
+    bs = 3
+    parent_list, top = _eagle_draft_tree(gen, bs, topk, steps, n)
+    seq = torch.tensor([7, 12, 30])
+    total = int(seq.sum())
+    mask = torch.ones(total * n + n * n * bs if mode == 0 else n * n * bs, dtype=torch.bool)
+    pos = torch.empty(bs * n, dtype=torch.long)
+    idx, nxt, sib = torch.full((3, bs, n), -1, dtype=torch.long)
+    spec_torch.build_tree_kernel_efficient(parent_list, top, seq, mask, pos, idx, nxt, sib, topk, steps, n, mode)
+    rows, off = [], 0
+    for b in range(bs):  # each request's n x n tree block (after its prefix columns in FULL_MASK)
+        L = int(seq[b])
+        if mode == 0:
+            block = mask[n * n * b + off * n :][: n * (L + n)].view(n, L + n)
+            assert block[:, :L].all()  # the prefix columns stay as the caller set them
+            rows.append(block[:, L:])
+        else:
+            rows.append(mask[n * n * b :][: n * n].view(n, n))
+        off += L
+    tree = torch.stack(rows)
+    for b in range(bs):
+        for i in range(n):
+            row = tree[b, i]
+            assert row[0] and row[i] and not row[i + 1 :].any()
+            if i:
+                parent = int(torch.nonzero(row[:i]).max())  # the deepest other node on the path
+                want = tree[b, parent].clone()
+                want[i] = True
+                assert torch.equal(row, want), (b, i)
+    depth = tree.sum(-1) - 1
+    assert torch.equal(pos, (seq.view(-1, 1) + depth).reshape(-1))
+    assert torch.equal(idx, torch.arange(bs * n).view(bs, n))
+    r_pos, r_idx = torch.empty(bs * n, dtype=torch.long), torch.empty(bs, n, dtype=torch.long)
+    r_nxt, r_sib = torch.empty(bs, n, dtype=torch.long), torch.empty(bs, n, dtype=torch.long)
+    spec_torch.reconstruct_indices_from_tree_mask(tree.reshape(-1), seq, r_pos, r_idx, r_nxt, r_sib, bs, n)
+    assert torch.equal(nxt, r_nxt) and torch.equal(sib, r_sib) and torch.equal(pos, r_pos)
+    if topk == 1:
+        assert torch.equal(tree[0], torch.ones(n, n, dtype=torch.bool).tril())
+        assert nxt[0].tolist() == [*range(1, n), -1] and (sib == -1).all()

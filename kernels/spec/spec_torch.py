@@ -4,6 +4,8 @@ nodes, which are few; the tensors they index may be any size."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -88,6 +90,129 @@ def assign_req_to_token_pool(
     for r, a, b in zip(rows, starts, ends):
         req_to_token[r, a:b] = out_cache_loc[pos : pos + (b - a)].to(req_to_token.dtype)
         pos += b - a
+
+
+def assign_draft_cache_locs_contiguous(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    topk: int,
+    num_cols: int,
+    positions: Optional[torch.Tensor] = None,
+    mrope: Optional[torch.Tensor] = None,
+) -> None:
+    """Request ``b``'s ``topk * num_cols`` KV locations from ``seq_lens[b]`` on, into
+    ``out_cache_loc[b * topk * num_cols:]``; with ``positions``, ``positions[b * topk + j] =
+    seq_lens[b]`` (and each of ``mrope``'s three rows the same) for the ``topk`` drafts
+    (``assign_draft_cache_locs_contiguous_func``)."""
+    bs = seq_lens.shape[0]
+    if bs == 0:
+        return
+    n = topk * num_cols
+    start = seq_lens.to(torch.long).view(-1, 1)
+    cols = start + torch.arange(n, device=seq_lens.device).view(1, -1)
+    rows = req_pool_indices[:bs].to(torch.long).view(-1, 1)
+    out_cache_loc[: bs * n] = req_to_token[rows, cols].reshape(-1).to(out_cache_loc.dtype)
+    if positions is not None:
+        positions[: bs * topk] = start.expand(bs, topk).reshape(-1).to(positions.dtype)
+        if mrope is not None:
+            mrope.view(3, -1)[:, : bs * topk] = start.expand(bs, topk).reshape(1, -1).to(mrope.dtype)
+
+
+def build_tree_kernel_efficient(
+    parent_list: torch.Tensor,
+    top_scores_index: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    topk: int,
+    spec_steps: int,
+    num_verify_tokens: int,
+    tree_mask_mode: int = 0,
+) -> None:
+    """An EAGLE draft's verify tree from its top-scored draft tokens
+    (``build_tree_kernel_efficient_func``), in place, for tree mask modes 0 (``FULL_MASK``: each
+    request's rows span its ``seq_lens[b]`` prefix columns, which the caller set, then the ``n``
+    tree columns) and 1 (``QLEN_ONLY``: ``n x n`` per request).
+
+    Node 0 of request ``b`` is the verified (bonus) token; node ``i >= 1`` is draft
+    ``top_scores_index[b, i - 1]``, whose parent is draft ``parent_list[b, idx // topk]``, found
+    among the selected drafts (node 0 when ``idx // topk`` is 0; none when not selected).
+    Writes ``retrieve_index[b, i] = b * n + i``; ``retrieve_next_token`` (the last-numbered
+    child) and ``retrieve_next_sibling`` (the next-lower-numbered child of the same parent);
+    ``positions[b * n + i] = seq_lens[b] + depth(i)``, the depth counted over at most
+    ``spec_steps`` ancestors; and mask row ``i``: node 0 and each node on the path up from
+    ``i``, ``i`` itself included."""
+    if int(tree_mask_mode) not in (0, 1):
+        raise NotImplementedError(f"tree mask mode {tree_mask_mode}: only FULL_MASK (0) and QLEN_ONLY (1)")
+    n = num_verify_tokens
+    bs = seq_lens.shape[0]
+    sel = top_scores_index.reshape(bs, -1).to(torch.long).cpu().tolist()
+    parents = parent_list.reshape(bs, -1).to(torch.long).cpu().tolist()
+    lens = seq_lens.to(torch.long).cpu().tolist()
+    offset = 0
+    for b in range(bs):
+        chosen, plist, seq_len = sel[b], parents[b], lens[b]
+
+        def parent_node(i: int, chosen=chosen, plist=plist) -> int:  # -1: none among the selected
+            tb = chosen[i - 1] // topk
+            if tb == 0:
+                return 0
+            try:
+                return chosen.index(plist[tb], 0, n - 1) + 1
+            except ValueError:
+                return -1
+
+        retrieve_index[b, :n] = torch.arange(b * n, (b + 1) * n, dtype=retrieve_index.dtype)
+        for i in range(n - 1, 0, -1):
+            p = parent_node(i)
+            if p >= 0:
+                first = int(retrieve_next_token[b, p])
+                if first != -1:
+                    retrieve_next_sibling[b, i] = first
+                retrieve_next_token[b, p] = i
+        positions[b * n] = seq_len
+        for x in range(n):
+            if int(tree_mask_mode) == 0:
+                row = n * n * b + offset * n + (seq_len + n) * x + seq_len
+            else:
+                row = n * n * b + n * x
+            tree_mask[row] = True
+            tree_mask[row + 1 : row + n] = False
+            if x == 0:
+                continue
+            node, depth = x, 0
+            for _ in range(spec_steps):
+                depth += 1
+                tree_mask[row + node] = True
+                node = parent_node(node)
+                if node <= 0:
+                    break
+            positions[b * n + x] = seq_len + depth
+        offset += seq_len
+
+
+def fill_bonus_tokens(
+    accept_tokens: torch.Tensor,
+    accept_lens: torch.Tensor,
+    bonus_tokens: torch.Tensor,
+    accept_stride: int,
+    batch_size: int,
+) -> None:
+    """``bonus_tokens[b]`` = request ``b``'s last accepted token: ``accept_tokens`` (flat, each
+    request ``accept_stride`` wide) at ``accept_lens[b] - 1`` (``fill_bonus_tokens_func``)."""
+    if batch_size == 0:
+        return
+    last = (
+        torch.arange(batch_size, device=accept_lens.device) * accept_stride
+        + accept_lens[:batch_size].to(torch.long)
+        - 1
+    )
+    bonus_tokens[:batch_size] = accept_tokens.reshape(-1)[last].to(bonus_tokens.dtype)
 
 
 def fill_front_out_cache_loc(num_front: torch.Tensor, out_cache_loc: torch.Tensor, front_out_cache_loc: torch.Tensor):
