@@ -131,22 +131,43 @@ def _check_page_size(argv: list[str]) -> None:
 
 
 def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[list[str], K3Config]:
-    """Speculative decoding with the k3 cache: NGRAM serves, and on a GPU EAGLE / EAGLE3 with draft
+    """Speculative decoding with the k3 cache: NGRAM serves, and EAGLE / EAGLE3 with draft
     chains; the rest stops here, before SGLang starts
     (:func:`~sglang_k3.integration.k3_args.check_speculative` says why). On the CPU platform NGRAM
     verifies draft chains: its BFS breadth defaults to 1 (SGLang's is 10). On a GPU the k3 cache
     runs over SGLang's fixed pools with speculation: on an H100 its verify ran 0.56x the cache-off
     server's output tokens/s over the unified buffer and 0.83x over fixed pools
     (benchmarks/GPU_NOTES.md, sixth session); an EAGLE draft model's KV pool is sized from the
-    target's fixed pool, so the unified allocator's ids would run past it. On CPU the two are
-    alike, so unified memory stays (CPU serves NGRAM only)."""
+    target's fixed pool, so the unified allocator's ids would run past it (on CPU too:
+    ``patches/kv_cache_configurator_init_pools`` leaves SGLang's pools with a draft model). On CPU
+    an EAGLE draft runs one step a verify (``--speculative-num-steps 1 --speculative-eagle-topk 1
+    --speculative-num-draft-tokens 2``, set where not given); with NGRAM unified memory stays."""
     import dataclasses
 
     algorithm = _value(argv, "--speculative-algorithm")
     if not algorithm or not _k3_serves(argv):
         return argv, cfg
-    from sglang_k3.integration.k3_args import EAGLE_TOPK_FLAG, NGRAM_CPU_BREADTH_FLAG, check_speculative
+    from sglang_k3.integration.k3_args import (
+        DRAFT_MODEL_ALGORITHMS,
+        EAGLE_DRAFT_TOKENS_FLAG,
+        EAGLE_STEPS_FLAG,
+        EAGLE_TOPK_FLAG,
+        NGRAM_CPU_BREADTH_FLAG,
+        check_speculative,
+    )
 
+    draft_model = str(algorithm).upper() in DRAFT_MODEL_ALGORITHMS
+    if cpu and draft_model:
+        chain = [(EAGLE_STEPS_FLAG, "1"), (EAGLE_TOPK_FLAG, "1"), (EAGLE_DRAFT_TOKENS_FLAG, "2")]
+        missing = [(f, v) for f, v in chain if _value(argv, f) is None]
+        if missing:
+            print(
+                f"sglang-k3: --speculative-algorithm {algorithm} on CPU: "
+                + " ".join(f"{f} {v}" for f, v in missing)
+                + " (the CPU path drafts one token a verify)",
+                file=sys.stderr,
+            )
+            argv = argv + [x for fv in missing for x in fv]
     if cpu and str(algorithm).upper() == "NGRAM" and _value(argv, NGRAM_CPU_BREADTH_FLAG) is None:
         print(
             f"sglang-k3: --speculative-algorithm NGRAM on CPU: {NGRAM_CPU_BREADTH_FLAG} 1 (the CPU path "
@@ -160,6 +181,7 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
             cpu=cpu,
             ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG),
             eagle_topk=_value(argv, EAGLE_TOPK_FLAG),
+            eagle_steps=_value(argv, EAGLE_STEPS_FLAG),
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -167,11 +189,7 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
         print(
             f"sglang-k3: --speculative-algorithm {algorithm} on a GPU: the k3 cache runs over SGLang's own KV and "
             "state pools (as --k3-no-unified-memory): the verify ran slower over the unified buffer"
-            + (
-                ", and a draft model's KV pool is sized from SGLang's own"
-                if str(algorithm).upper() in ("EAGLE", "EAGLE3")
-                else ""
-            ),
+            + (", and a draft model's KV pool is sized from SGLang's own" if draft_model else ""),
             file=sys.stderr,
         )
         cfg = dataclasses.replace(cfg, unified_memory=False)

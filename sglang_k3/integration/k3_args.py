@@ -333,15 +333,17 @@ NGRAM_CPU_BREADTH_FLAG = "--speculative-ngram-max-bfs-breadth"
 
 
 EAGLE_TOPK_FLAG = "--speculative-eagle-topk"
+EAGLE_STEPS_FLAG = "--speculative-num-steps"
+EAGLE_DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3")  # served with a draft model (sglang_k3.model.tiny_draft builds one)
-EAGLE_CPU_REASON = (
-    "SGLang 0.5.23's CPU platform has no EAGLE draft path (the draft's tree, cache-location and bonus-token ops "
-    "are CUDA/Triton kernels, there is no torch_native draft attention backend, and its own check refuses it); "
-    "EAGLE and EAGLE3 serve on a CUDA GPU, and NGRAM serves on CPU"
+EAGLE_CPU_STEPS_REASON = (
+    "on CPU an EAGLE draft runs one step a verify: its draft-extend attention runs on SGLang's torch-native "
+    "backend (patches/spec_draft_backend_torch_native.py), and SGLang's multi-step draft decode has no "
+    "torch-native backend"
 )
 
 
-def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None) -> None:
+def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None, eagle_steps=None) -> None:
     """Which speculative decoding the k3 cache serves with, refused with the reasons otherwise
     (read in SGLang 0.5.23; issue #34), before it can fail inside a scheduler. Called by
     ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point).
@@ -352,13 +354,15 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle
       On the CPU platform the verify runs on torch ops (``kernels/spec``, ``patches/spec_*``,
       ``patches/torch_native_target_verify``) for draft chains only: ``ngram_breadth`` must be 1
       (``launch_server`` sets it), and ``patches/ngram_chain_drafts`` makes each draft a chain.
-    * **EAGLE / EAGLE3** (a draft model: ``--speculative-draft-model-path``) serve on a CUDA GPU
-      with draft chains (``eagle_topk`` 1, or unset: SGLang then picks 1 for this model), over
-      SGLang's fixed KV and state pools (``launch_server`` turns unified memory off; the draft's
-      KV pool is sized from the target's). ``patches/kimi_linear_eagle`` gives
-      ``KimiLinearForCausalLM`` the two methods the draft asks of its target. Draft trees
-      (topk > 1) are not tested with the k3 cache (SGLang's FlashInfer KDA verify refuses them).
-      On the CPU platform they are refused (:data:`EAGLE_CPU_REASON`).
+    * **EAGLE / EAGLE3** (a draft model: ``--speculative-draft-model-path``) serve with draft
+      chains (``eagle_topk`` 1, or unset: SGLang then picks 1 for this model), over SGLang's fixed
+      KV and state pools (the draft's KV pool is sized from the target's and shares its
+      allocator: ``patches/kv_cache_configurator_init_pools`` leaves unified memory off).
+      ``patches/kimi_linear_eagle`` gives ``KimiLinearForCausalLM`` the two methods the draft asks
+      of its target. Draft trees (topk > 1) are not tested with the k3 cache (SGLang's FlashInfer
+      KDA verify refuses them). On the CPU platform the draft's ops run in torch
+      (``kernels/spec``, ``patches/spec_*``) one draft step a verify: ``eagle_steps`` must be 1
+      (``launch_server`` sets it; :data:`EAGLE_CPU_STEPS_REASON`).
     * **NEXTN** needs an MTP/NextN layer in the target: ``KimiLinearForCausalLM`` has none.
     * **STANDALONE** (a small draft model of the same vocabulary) and the rest (DFLASH, UNO,
       DSPARK, FROZEN_KV_MTP) are not tested with the k3 cache; on the CPU platform SGLang refuses
@@ -375,8 +379,12 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle
             )
         return
     if name in DRAFT_MODEL_ALGORITHMS:
-        if cpu:
-            raise ValueError(f"--speculative-algorithm {algorithm} on CPU: {EAGLE_CPU_REASON}")
+        if cpu and eagle_steps is not None and int(eagle_steps) != 1:
+            raise ValueError(
+                f"--speculative-algorithm {algorithm} {EAGLE_STEPS_FLAG} {eagle_steps}: {EAGLE_CPU_STEPS_REASON}. "
+                f"Use {EAGLE_STEPS_FLAG} 1 {EAGLE_TOPK_FLAG} 1 {EAGLE_DRAFT_TOKENS_FLAG} 2 (sglang_k3.launch_server's "
+                "default on CPU)"
+            )
         if eagle_topk is not None and int(eagle_topk) != 1:
             raise ValueError(
                 f"--speculative-algorithm {algorithm} {EAGLE_TOPK_FLAG} {eagle_topk}: the k3 cache serves EAGLE "
@@ -385,12 +393,13 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle
             )
         return
     why = (
-        "KimiLinearForCausalLM has no MTP/NextN layer to draft with (EAGLE or EAGLE3 with a draft model serve "
-        "on a GPU: --speculative-draft-model-path)"
+        "KimiLinearForCausalLM has no MTP/NextN layer to draft with (EAGLE or EAGLE3 with a draft model serve: "
+        "--speculative-draft-model-path)"
         if name == "NEXTN"
         else "it is not tested with the k3 cache (and on CPU SGLang refuses it)"
     )
     raise ValueError(
         f"--speculative-algorithm {algorithm}: the k3 cache does not serve with it: {why}. NGRAM serves "
-        "(--speculative-algorithm NGRAM: drafts from n-grams, no draft model); issue #34 tracks the rest"
+        "(--speculative-algorithm NGRAM: drafts from n-grams, no draft model), and EAGLE / EAGLE3 with a draft "
+        "model (--speculative-draft-model-path)"
     )

@@ -46,6 +46,7 @@ def k3_factory(ctx):
         cpu=cpu_platform_wanted(),
         ngram_breadth=getattr(sa, "speculative_ngram_max_bfs_breadth", None),
         eagle_topk=getattr(sa, "speculative_eagle_topk", None),
+        eagle_steps=getattr(sa, "speculative_num_steps", None),
     )
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext

@@ -132,6 +132,49 @@ def build_draft(target_dir: str, out_dir: str, kind: str, dtype: str | None = No
     return out_dir
 
 
+def fit_followers(draft_dir: str, target_dir: str, followers: dict[int, int]) -> float:
+    """Make the EAGLE draft in ``draft_dir`` propose, after token ``x``, ``followers[x]``: the
+    token the target's own greedy answers most often put after ``x`` (a bigram of the target,
+    counted from answers the caller collected). A random draft is almost never accepted, so the
+    verify's accept path (states after accepted drafts, the draft's extend over them) would go
+    untested; with this draft, drafts are accepted where the target follows its commonest bigram.
+
+    The draft's layer is silenced (``o_proj`` and ``down_proj`` zero: the residual carries ``fc``'s
+    output through) and ``fc`` ignores the target's hidden state: the draft's hidden state is
+    ``A e_x``, ``e_x`` the target's embedding of ``x``, and its logits ``W A e_x`` through the
+    target's LM head ``W`` (the draft shares both). ``A`` is the least-squares fit of those
+    logits to a margin-scaled one-hot of each follower. Returns the share of ``followers`` the
+    fitted draft ranks first."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        if json.load(f)["architectures"] != [KINDS["eagle"]]:
+            raise ValueError("fit_followers fits an EAGLE draft (LlamaForCausalLMEagle), not EAGLE3")
+    with safe_open(os.path.join(target_dir, "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        head = f.get_tensor("lm_head.weight").float()
+    xs = sorted(followers)
+    if not xs:
+        raise ValueError("no followers to fit")
+    h = embed.shape[1]
+    targets = torch.full((head.shape[0], len(xs)), -1.0)
+    targets[[followers[x] for x in xs], range(len(xs))] = 10.0
+    inputs = embed[xs].T  # h x n
+    # W A E = T: A = pinv(W) T pinv(E)
+    a = torch.linalg.pinv(head) @ targets @ torch.linalg.pinv(inputs)
+    path = os.path.join(draft_dir, "model.safetensors")
+    w = load_file(path)
+    w["fc.weight"] = torch.cat([a, torch.zeros(h, w["fc.weight"].shape[1] - h)], dim=1).contiguous()
+    w["fc.bias"] = torch.zeros(h)
+    w["layers.0.self_attn.o_proj.weight"] = torch.zeros_like(w["layers.0.self_attn.o_proj.weight"])
+    w["layers.0.mlp.down_proj.weight"] = torch.zeros_like(w["layers.0.mlp.down_proj.weight"])
+    save_file(w, path, metadata={"format": "pt"})
+    ranked = (head @ (a @ inputs)).argmax(dim=0).tolist()
+    return sum(r == followers[x] for r, x in zip(ranked, xs)) / len(xs)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m sglang_k3.model.tiny_draft",
