@@ -74,3 +74,16 @@ def abort_all_mid_flight(server, prompts: list, max_new_tokens: int, after_s: fl
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads), "a request did not come back after the abort"
     return results
+
+
+def abort_variants_mid_flight(server, prompt: list, max_new_tokens: int, after_s: float = 2.0) -> None:
+    """Four requests extending ``prompt`` by one token each, sent at once and aborted mid-flight
+    (:func:`abort_all_mid_flight`); asserts one came back aborted and, within 30 s, that the k3
+    cache tracks no request."""
+    results = abort_all_mid_flight(server, [prompt + [i + 3] for i in range(4)], max_new_tokens, after_s)
+    reasons = [r["meta_info"]["finish_reason"]["type"] for r in results if isinstance(r, dict)]
+    assert "abort" in reasons, reasons
+    deadline = time.time() + 30
+    while k3_state(server)["tracked_requests"] and time.time() < deadline:
+        time.sleep(0.5)
+    assert k3_state(server)["tracked_requests"] == 0
