@@ -3,9 +3,9 @@
 Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists ours first, then them.
 With no ``--model-path``, the embedded tiny K3-architecture model is built (once) and served.
 On a machine without CUDA the CPU serving defaults are added; any flag you give wins.
-Speculative decoding with the k3 cache: NGRAM; on a CUDA GPU also EAGLE / EAGLE3 with a draft model
-(--speculative-draft-model-path) and draft chains (--speculative-eagle-topk 1); the rest is refused
-with the reason (docs/user_guide.md, "Speculative decoding").
+Speculative decoding with the k3 cache: NGRAM, and EAGLE / EAGLE3 with a draft model
+(--speculative-draft-model-path) and draft chains (--speculative-eagle-topk 1; on CPU one draft step
+a verify); the rest is refused with the reason (docs/user_guide.md, "Speculative decoding").
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def build_tree_kernel_efficient(
     ``positions[b * n + i] = seq_lens[b] + depth(i)``, the depth counted over at most
     ``spec_steps`` ancestors; and mask row ``i``: node 0 and each node on the path up from
     ``i``, ``i`` itself included."""
-    if int(tree_mask_mode) not in (0, 1):
+    mode = int(tree_mask_mode)
+    if mode not in (0, 1):
         raise NotImplementedError(f"tree mask mode {tree_mask_mode}: only FULL_MASK (0) and QLEN_ONLY (1)")
     n = num_verify_tokens
     bs = seq_lens.shape[0]
@@ -157,19 +158,18 @@ def build_tree_kernel_efficient(
     offset = 0
     for b in range(bs):
         chosen, plist, seq_len = sel[b], parents[b], lens[b]
-
-        def parent_node(i: int, chosen=chosen, plist=plist) -> int:  # -1: none among the selected
+        # parent[i]: node i's parent node (0 when its draft hangs off the root; -1 when its parent
+        # draft is not among the selected)
+        parent = [-1] * n
+        for i in range(1, n):
             tb = chosen[i - 1] // topk
             if tb == 0:
-                return 0
-            try:
-                return chosen.index(plist[tb], 0, n - 1) + 1
-            except ValueError:
-                return -1
-
+                parent[i] = 0
+            elif plist[tb] in chosen[: n - 1]:
+                parent[i] = chosen.index(plist[tb], 0, n - 1) + 1
         retrieve_index[b, :n] = torch.arange(b * n, (b + 1) * n, dtype=retrieve_index.dtype)
         for i in range(n - 1, 0, -1):
-            p = parent_node(i)
+            p = parent[i]
             if p >= 0:
                 first = int(retrieve_next_token[b, p])
                 if first != -1:
@@ -177,10 +177,7 @@ def build_tree_kernel_efficient(
                 retrieve_next_token[b, p] = i
         positions[b * n] = seq_len
         for x in range(n):
-            if int(tree_mask_mode) == 0:
-                row = n * n * b + offset * n + (seq_len + n) * x + seq_len
-            else:
-                row = n * n * b + n * x
+            row = n * n * b + (offset * n + (seq_len + n) * x + seq_len if mode == 0 else n * x)
             tree_mask[row] = True
             tree_mask[row + 1 : row + n] = False
             if x == 0:
@@ -189,7 +186,7 @@ def build_tree_kernel_efficient(
             for _ in range(spec_steps):
                 depth += 1
                 tree_mask[row + node] = True
-                node = parent_node(node)
+                node = parent[node]
                 if node <= 0:
                     break
             positions[b * n + x] = seq_len + depth
