@@ -4,8 +4,9 @@ Every ``sglang.launch_server`` flag passes through unchanged; ``--help`` lists o
 With no ``--model-path``, the embedded tiny K3-architecture model is built (once) and served.
 On a machine without CUDA the CPU serving defaults are added; any flag you give wins.
 Speculative decoding with the k3 cache: NGRAM, and EAGLE / EAGLE3 with a draft model
-(--speculative-draft-model-path) and draft chains (--speculative-eagle-topk 1; on CPU one draft step
-a verify); the rest is refused with the reason (docs/user_guide.md, "Speculative decoding").
+(--speculative-draft-model-path) and draft chains (--speculative-eagle-topk 1; on CPU one draft
+step a verify unless --speculative-num-steps says more); the rest is refused with the reason
+(docs/user_guide.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
     (benchmarks/GPU_NOTES.md, sixth session); an EAGLE draft model's KV pool is sized from the
     target's fixed pool, so the unified allocator's ids would run past it (on CPU too:
     ``patches/kv_cache_configurator_init_pools`` leaves SGLang's pools with a draft model). On CPU
-    an EAGLE draft runs one step a verify (``--speculative-num-steps 1 --speculative-eagle-topk 1
-    --speculative-num-draft-tokens 2``, set where not given); with NGRAM unified memory stays."""
+    an EAGLE draft is a chain of one step a verify unless ``--speculative-num-steps`` says more
+    (``--speculative-eagle-topk 1`` and ``--speculative-num-draft-tokens`` steps + 1 set where not
+    given); with NGRAM unified memory stays."""
     import dataclasses
 
     algorithm = _value(argv, "--speculative-algorithm")
@@ -158,13 +160,14 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
 
     draft_model = str(algorithm).upper() in DRAFT_MODEL_ALGORITHMS
     if cpu and draft_model:
-        chain = [(EAGLE_STEPS_FLAG, "1"), (EAGLE_TOPK_FLAG, "1"), (EAGLE_DRAFT_TOKENS_FLAG, "2")]
+        steps = _value(argv, EAGLE_STEPS_FLAG) or "1"
+        chain = [(EAGLE_STEPS_FLAG, steps), (EAGLE_TOPK_FLAG, "1"), (EAGLE_DRAFT_TOKENS_FLAG, str(int(steps) + 1))]
         missing = [(f, v) for f, v in chain if _value(argv, f) is None]
         if missing:
             print(
                 f"sglang-k3: --speculative-algorithm {algorithm} on CPU: "
                 + " ".join(f"{f} {v}" for f, v in missing)
-                + " (the CPU path drafts one token a verify)",
+                + " (a draft chain; each draft step costs a draft forward on the CPU)",
                 file=sys.stderr,
             )
             argv = argv + [x for fv in missing for x in fv]
@@ -182,6 +185,7 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
             ngram_breadth=_value(argv, NGRAM_CPU_BREADTH_FLAG),
             eagle_topk=_value(argv, EAGLE_TOPK_FLAG),
             eagle_steps=_value(argv, EAGLE_STEPS_FLAG),
+            eagle_draft_tokens=_value(argv, EAGLE_DRAFT_TOKENS_FLAG),
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None

@@ -127,9 +127,9 @@ def test_the_k3_factory_refuses_extra_buffer():
 
 def test_the_k3_factory_refuses_speculative_decoding_it_cannot_serve(monkeypatch):
     """Started another way (sglang.launch_server --radix-cache-backend k3 --speculative-algorithm
-    ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts: EAGLE
-    on CPU with more than one draft step (no torch-native multi-step draft decode), NEXTN (no MTP
-    layer in the KDA model), and on CPU an
+    ...), the k3 cache stops with the reasons, as launch_server does before SGLang starts: an EAGLE
+    chain verified at another width than its steps + 1, NEXTN (no MTP layer in the KDA model), and
+    on CPU an
     NGRAM draft tree (SGLang's breadth default of 10; the CPU path verifies chains)."""
     from types import SimpleNamespace
 
@@ -144,8 +144,8 @@ def test_the_k3_factory_refuses_speculative_decoding_it_cannot_serve(monkeypatch
             server_args=SimpleNamespace(mamba_radix_cache_strategy="no_buffer", **spec),
         )
 
-    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE --speculative-num-steps 3: on CPU an EAGLE"):
-        k3_factory(ctx(speculative_algorithm="EAGLE", speculative_num_steps=3))
+    with pytest.raises(ValueError, match="--speculative-num-steps 3 --speculative-num-draft-tokens 8: a draft chain"):
+        k3_factory(ctx(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_num_draft_tokens=8))
     with pytest.raises(ValueError, match="--speculative-algorithm NEXTN: the k3 cache does not serve with it"):
         k3_factory(ctx(speculative_algorithm="NEXTN"))
     with pytest.raises(ValueError, match="--speculative-ngram-max-bfs-breadth 10: on CPU the k3 cache verifies"):
@@ -211,9 +211,9 @@ def test_k3_with_another_state_strategy_is_refused_with_the_reason():
 
 def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkeypatch, capsys):
     """NGRAM serves with the k3 cache; on CPU its breadth defaults to 1 (draft chains: the CPU
-    verify path), and a wider one is refused before SGLang starts. EAGLE and EAGLE3 with more than
-    one draft step are refused on CPU and the rest everywhere, with the reason (EAGLE's defaults:
-    test_speculative_eagle.py).
+    verify path), and a wider one is refused before SGLang starts. EAGLE and EAGLE3 draft chains
+    serve (their defaults and refusals: test_speculative_eagle.py); NEXTN and STANDALONE are
+    refused everywhere, with the reason.
     SGLang's own cache and a cache-off server are SGLang's to check."""
     import pytest
 
@@ -231,8 +231,6 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
         L.build_argv(
             ["--model-path", "/m", "--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "4"]
         )
-    with pytest.raises(SystemExit, match="--speculative-algorithm EAGLE3 --speculative-num-steps 2: on CPU an EAGLE"):
-        L.build_argv(["--model-path", "/m", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "2"])
     for algo in ("NEXTN", "STANDALONE"):
         with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve with it"):
             L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])

@@ -310,3 +310,48 @@ def test_eagle_tree_from_sglangs_own_draft_selection(topk, steps, n, mode):
     if topk == 1:
         assert torch.equal(tree[0], torch.ones(n, n, dtype=torch.bool).tril())
         assert nxt[0].tolist() == [*range(1, n), -1] and (sib == -1).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_draft_step_attends_to_the_prefix_and_the_chain_so_far(seed):
+    """More than one EAGLE draft step on CPU (``patches/spec_draft_backend_torch_native``): draft
+    step ``i`` writes its token's KV at the request's row position ``seq_len + i`` and attends to
+    the ``seq_len + i + 1`` entries up to it, as plain softmax attention over those rows computes
+    it, over SGLang's own pools; the batch keeps its committed lengths."""
+    import math
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    from sglang_k3.patches.spec_draft_backend_torch_native import TorchNativeMultiStepDraftBackend
+
+    gen, steps, d = torch.Generator().manual_seed(seed), 4, 8
+    kv = MHATokenToKVPool(128, 1, torch.float32, H, d, 1, "cpu", False)
+    rows = ReqToTokenPool(4, 48, "cpu", False)
+    lens = torch.tensor([5, 11], dtype=torch.int64)
+    req = torch.tensor([2, 0], dtype=torch.int64)
+    locs = torch.randperm(127, generator=gen)[: 2 * 40].view(2, 40) + 1  # scattered KV slots, never 0
+    for r, row in zip(req.tolist(), locs):
+        rows.req_to_token[r, :40] = row.to(rows.req_to_token.dtype)
+    for buf in (kv.k_buffer[0], kv.v_buffer[0]):  # the committed prefixes' KV (and stale slots)
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=rows, token_to_kv_pool=kv)
+    backend = TorchNativeMultiStepDraftBackend(runner, 1, steps)
+    assert len(backend.attn_backends) == steps - 1  # the last step only samples
+    layer = RadixAttention(H, d, 1 / math.sqrt(d), H, 0)
+    batch = SimpleNamespace(seq_lens=lens.clone(), req_pool_indices=req, encoder_lens=None, out_cache_loc=None)
+    backend.init_forward_metadata(batch)
+    for i, step in enumerate(backend.attn_backends):
+        batch.out_cache_loc = torch.stack([locs[0, lens[0] + i], locs[1, lens[1] + i]])
+        q, k, v = (torch.randn(2, H, d, generator=gen) for _ in range(3))  # as RadixAttention hands them
+        out = step.forward_decode(q, k, v, layer, batch).view(2, H, d)
+        assert torch.equal(batch.seq_lens, lens)
+        for b in range(2):
+            ids = locs[b, : lens[b] + i + 1]
+            keys, vals = kv.k_buffer[0][ids], kv.v_buffer[0][ids]  # [n, H, d]
+            assert torch.equal(keys[-1], k[b])  # its own token's KV, written first
+            w = torch.softmax(torch.einsum("hd,nhd->hn", q[b], keys) / math.sqrt(d), dim=-1)
+            torch.testing.assert_close(out[b], torch.einsum("hn,nhd->hd", w, vals))
+    with pytest.raises(ValueError, match="chains only"):
+        TorchNativeMultiStepDraftBackend(runner, 2, steps)

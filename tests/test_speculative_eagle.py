@@ -13,7 +13,7 @@
   parameter not shared with the target must come from the file, and every tensor of the file
   must land in one).
 
-Serving with EAGLE on CPU (the draft's ops in torch, one draft step a verify) is tested against
+Serving with EAGLE on CPU (the draft's ops in torch, chains of one or more draft steps) is tested against
 real servers in ``tests/test_speculative_eagle_server.py``.
 """
 
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_k3.integration.k3_args import EAGLE_CPU_STEPS_REASON, check_speculative
+from sglang_k3.integration.k3_args import check_speculative
 
 
 def test_check_speculative_decisions():
@@ -37,11 +37,13 @@ def test_check_speculative_decisions():
         check_speculative(algo, cpu=False, eagle_topk="1")
         with pytest.raises(ValueError, match=f"--speculative-algorithm {algo} --speculative-eagle-topk 4: .*chains"):
             check_speculative(algo, cpu=False, eagle_topk=4)
-        check_speculative(algo, cpu=True, eagle_topk=1, eagle_steps=1)
-        check_speculative(algo, cpu=False, eagle_topk=1, eagle_steps=3)
-        with pytest.raises(ValueError) as e:
-            check_speculative(algo, cpu=True, eagle_topk=1, eagle_steps=3)
-        assert f"--speculative-algorithm {algo} --speculative-num-steps 3: {EAGLE_CPU_STEPS_REASON}" in str(e.value)
+        for cpu in (False, True):  # chains of any length, on CPU too (a torch-native draft backend a step)
+            check_speculative(algo, cpu=cpu, eagle_topk=1, eagle_steps=1, eagle_draft_tokens=2)
+            check_speculative(algo, cpu=cpu, eagle_topk=1, eagle_steps=3, eagle_draft_tokens=4)
+            check_speculative(algo, cpu=cpu, eagle_steps="3")
+        wrong_width = "--speculative-num-steps 3 --speculative-num-draft-tokens 3: .*draft-tokens 4"
+        with pytest.raises(ValueError, match=wrong_width):
+            check_speculative(algo, cpu=True, eagle_topk=1, eagle_steps=3, eagle_draft_tokens=3)
     for cpu in (False, True):
         with pytest.raises(ValueError, match="NEXTN: the k3 cache does not serve with it: .*no MTP/NextN layer"):
             check_speculative("NEXTN", cpu=cpu)
@@ -51,7 +53,7 @@ def test_check_speculative_decisions():
         check_speculative(None, cpu=cpu)
 
 
-def test_launch_server_serves_eagle_over_fixed_pools_and_one_step_on_cpu(monkeypatch, capsys):
+def test_launch_server_serves_eagle_over_fixed_pools_and_chains_on_cpu(monkeypatch, capsys):
     from sglang_k3 import launch_server as L
 
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
@@ -64,13 +66,16 @@ def test_launch_server_serves_eagle_over_fixed_pools_and_one_step_on_cpu(monkeyp
     with pytest.raises(SystemExit, match="--speculative-eagle-topk 2: the k3 cache serves EAGLE with draft chains"):
         L.build_argv(argv + ["--speculative-eagle-topk", "2"])
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
-    out, cfg = L.build_argv(argv)  # on CPU: one draft step a verify, set where not given
+    out, cfg = L.build_argv(argv)  # on CPU: a chain of one draft step, set where not given
     for flag, value in (("--speculative-num-steps", "1"), ("--speculative-eagle-topk", "1")):
         assert out[out.index(flag) + 1] == value
     assert out[out.index("--speculative-num-draft-tokens") + 1] == "2"
     assert "on CPU: --speculative-num-steps 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--speculative-num-steps 3: on CPU an EAGLE draft runs one step a verify"):
-        L.build_argv(argv + ["--speculative-num-steps", "3"])
+    out, cfg = L.build_argv(argv + ["--speculative-num-steps", "3"])  # more steps: the chain's verify width follows
+    assert out[out.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert "--speculative-num-steps" not in capsys.readouterr().err  # given, not set
+    with pytest.raises(SystemExit, match="draft-tokens 5: a draft chain of 3 tokens is verified as 4"):
+        L.build_argv(argv + ["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "5"])
 
 
 def test_unified_memory_stays_off_with_a_draft_model():

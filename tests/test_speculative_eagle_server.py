@@ -6,9 +6,10 @@ EAGLE draft fitted to the target's own greedy answers (``tiny_draft.fit_follower
 ``x`` it proposes the token the cache-off server's answers most often put after ``x``), so that
 its drafts are really accepted (about one in ten on fresh prompts) and the verify's accept path
 runs: the KDA states committed after accepted drafts, the draft's extend over them, the KV moves.
-A random draft is all but never accepted. The servers run ``launch_server``'s CPU defaults for
-EAGLE: one draft step a verify (``--speculative-num-steps 1 --speculative-eagle-topk 1
---speculative-num-draft-tokens 2``), fp32 checkpoints, SGLang's fixed pools.
+A random draft is all but never accepted. The EAGLE server drafts chains of three
+(``--speculative-num-steps 3``: a torch-native draft backend per step), the EAGLE3 server
+``launch_server``'s CPU default of one (``--speculative-num-steps 1 --speculative-eagle-topk 1
+--speculative-num-draft-tokens 2``); fp32 checkpoints, SGLang's fixed pools.
 
 Each test holds the cache to what it gives without speculation: greedy tokens equal the
 cache-off server's, and the same conversations report the same ``cached_tokens`` as ``k3``
@@ -68,7 +69,10 @@ def eagle_servers(server_factory, tmp_path_factory):
         "--k3-no-unified-memory",
         "--disable-overlap-schedule",
     ]
-    for name, algo, path in (("k3_eagle", "EAGLE", eagle), ("k3_eagle3", "EAGLE3", eagle3)):
+    # EAGLE drafts chains of three (a torch-native draft backend per step), EAGLE3 launch_server's
+    # CPU default of one
+    chains = (("k3_eagle", "EAGLE", eagle, ["--speculative-num-steps", "3"]), ("k3_eagle3", "EAGLE3", eagle3, []))
+    for name, algo, path, steps in chains:
         SERVER_CONFIGS[name] = [
             "--k3-checkpoint-dtype",
             "fp32",
@@ -76,6 +80,7 @@ def eagle_servers(server_factory, tmp_path_factory):
             algo,
             "--speculative-draft-model-path",
             path,
+            *steps,
         ]
     yield
     for name in ("k3_eagle", "k3_eagle3", "k3_fixed_sync"):

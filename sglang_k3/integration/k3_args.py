@@ -336,14 +336,11 @@ EAGLE_TOPK_FLAG = "--speculative-eagle-topk"
 EAGLE_STEPS_FLAG = "--speculative-num-steps"
 EAGLE_DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3")  # served with a draft model (sglang_k3.model.tiny_draft builds one)
-EAGLE_CPU_STEPS_REASON = (
-    "on CPU an EAGLE draft runs one step a verify: its draft-extend attention runs on SGLang's torch-native "
-    "backend (patches/spec_draft_backend_torch_native.py), and SGLang's multi-step draft decode has no "
-    "torch-native backend"
-)
 
 
-def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None, eagle_steps=None) -> None:
+def check_speculative(
+    algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None, eagle_steps=None, eagle_draft_tokens=None
+) -> None:
     """Which speculative decoding the k3 cache serves with, refused with the reasons otherwise
     (read in SGLang 0.5.23; issue #34), before it can fail inside a scheduler. Called by
     ``launch_server`` before SGLang starts and by the k3 cache's factory (any other entry point).
@@ -360,9 +357,11 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle
       allocator: ``patches/kv_cache_configurator_init_pools`` leaves unified memory off).
       ``patches/kimi_linear_eagle`` gives ``KimiLinearForCausalLM`` the two methods the draft asks
       of its target. Draft trees (topk > 1) are not tested with the k3 cache (SGLang's FlashInfer
-      KDA verify refuses them). On the CPU platform the draft's ops run in torch
-      (``kernels/spec``, ``patches/spec_*``) one draft step a verify: ``eagle_steps`` must be 1
-      (``launch_server`` sets it; :data:`EAGLE_CPU_STEPS_REASON`).
+      KDA verify refuses them). A chain of ``eagle_steps`` drafts is verified as
+      ``eagle_steps + 1`` tokens (``eagle_draft_tokens``; SGLang asserts it in the scheduler). On
+      the CPU platform the draft's ops run in torch (``kernels/spec``, ``patches/spec_*``), its
+      attention on SGLang's torch-native backend, one per draft step
+      (``patches/spec_draft_backend_torch_native``).
     * **NEXTN** needs an MTP/NextN layer in the target: ``KimiLinearForCausalLM`` has none.
     * **STANDALONE** (a small draft model of the same vocabulary) and the rest (DFLASH, UNO,
       DSPARK, FROZEN_KV_MTP) are not tested with the k3 cache; on the CPU platform SGLang refuses
@@ -379,17 +378,18 @@ def check_speculative(algorithm, *, cpu: bool = False, ngram_breadth=None, eagle
             )
         return
     if name in DRAFT_MODEL_ALGORITHMS:
-        if cpu and eagle_steps is not None and int(eagle_steps) != 1:
-            raise ValueError(
-                f"--speculative-algorithm {algorithm} {EAGLE_STEPS_FLAG} {eagle_steps}: {EAGLE_CPU_STEPS_REASON}. "
-                f"Use {EAGLE_STEPS_FLAG} 1 {EAGLE_TOPK_FLAG} 1 {EAGLE_DRAFT_TOKENS_FLAG} 2 (sglang_k3.launch_server's "
-                "default on CPU)"
-            )
         if eagle_topk is not None and int(eagle_topk) != 1:
             raise ValueError(
                 f"--speculative-algorithm {algorithm} {EAGLE_TOPK_FLAG} {eagle_topk}: the k3 cache serves EAGLE "
                 f"with draft chains only ({EAGLE_TOPK_FLAG} 1): draft trees are not tested with it, and SGLang's "
                 "FlashInfer KDA verify refuses them"
+            )
+        chain_width = None if eagle_steps is None else int(eagle_steps) + 1
+        if chain_width is not None and eagle_draft_tokens is not None and int(eagle_draft_tokens) != chain_width:
+            raise ValueError(
+                f"--speculative-algorithm {algorithm} {EAGLE_STEPS_FLAG} {eagle_steps} {EAGLE_DRAFT_TOKENS_FLAG} "
+                f"{eagle_draft_tokens}: a draft chain of {eagle_steps} tokens is verified as {chain_width} "
+                f"(the last verified token and the drafts): use {EAGLE_DRAFT_TOKENS_FLAG} {chain_width}"
             )
         return
     why = (

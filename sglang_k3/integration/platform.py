@@ -34,7 +34,7 @@ class K3CpuPlatform(CpuSRTPlatform):
 
     def supports_speculative_algorithm(self, algorithm: str) -> bool:
         """EAGLE and EAGLE3 with a draft model: their draft's ops run in torch here
-        (``kernels/spec``, ``patches/spec_*``), one draft step a verify
+        (``kernels/spec``, ``patches/spec_*``), draft chains
         (:func:`~sglang_k3.integration.k3_args.check_speculative`). SGLang asks before it builds a
         draft worker (``_check_oot_speculative_algorithm``); NGRAM's path does not ask."""
         from sglang_k3.integration.k3_args import DRAFT_MODEL_ALGORITHMS

@@ -47,6 +47,7 @@ def k3_factory(ctx):
         ngram_breadth=getattr(sa, "speculative_ngram_max_bfs_breadth", None),
         eagle_topk=getattr(sa, "speculative_eagle_topk", None),
         eagle_steps=getattr(sa, "speculative_num_steps", None),
+        eagle_draft_tokens=getattr(sa, "speculative_num_draft_tokens", None),
     )
     from sglang_k3.integration.k3_cache import K3RadixCache
     from sglang_k3.integration.tier_setup import TierContext
