@@ -126,6 +126,58 @@ SERVER_ENVS: dict[str, dict[str, str]] = {
     "k3_spec_retract": {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"},
 }
 
+# The full tier: end-to-end runs that start fleets or several servers of their own, each worth
+# minutes of a 2-core machine. ``python -m pytest tests -q`` (the README's command, what CI runs)
+# skips them, saying so; ``--full`` runs them too. On the 2-core CI machine the whole suite took
+# about two hours (a server start is ~60 s there, ~40 of it importing SGLang in the launcher and
+# again in the scheduler), past CI's limit; what each entry costs and what the default tier keeps
+# in its place: docs/testing.md. A node id listed here matches itself and everything under it.
+FULL_TIER: dict[str, str] = {
+    "tests/test_fleet.py": "a fleet of three instances behind sglang-router, and a master",
+    "tests/test_fleet_benchmarks.py::test_fleet_ab_small": "benchmarks.fleet_ab end to end: four servers, two fleets",
+    "tests/test_fleet_benchmarks.py::test_fleet_burst_small": "benchmarks.fleet_burst end to end: two fleets",
+    "tests/test_pd_fleet.py": "a prefill/decode fleet behind sglang-router",
+    "tests/test_start_fleet.py": "scripts/start_fleet.py end to end, one fleet per shape",
+    "tests/test_mooncake_servers.py": "two servers sharing a Mooncake L3, and its master",
+    "tests/test_live_ab.py::test_live_ab_end_to_end": "benchmarks.live_ab end to end: three servers",
+    "tests/test_live_ab.py::test_pressure_end_to_end": "benchmarks.live_ab --pressure end to end: three servers",
+    "tests/test_tier_ab.py::test_tier_ab_end_to_end": "benchmarks.tier_ab end to end: its servers and a master",
+    "tests/test_overlap_ab.py::test_overlap_ab_end_to_end": "benchmarks.overlap_ab end to end: two servers",
+    "tests/test_checkpoint_flips_cli.py::test_small_run_against_session_servers": (
+        "benchmarks.checkpoint_flips end to end"
+    ),
+    "tests/test_noise_differential.py::test_a_corrupted_restore_is_flagged_and_exact_ones_are_not": (
+        "benchmarks.noise_differential end to end: its servers"
+    ),
+    "tests/test_server_port_clash.py::test_a_taken_port_at_start_is_retried_on_a_fresh_one": "two server starts",
+    "tests/test_differential_upstream.py": "SGLang's own cache against cache off (the baseline's correctness)",
+    "tests/test_speculative_eagle_server.py::test_conversations_and_branches_hit_as_without_speculation[k3_eagle3]": (
+        "a third speculative server (EAGLE3; the EAGLE one runs in the default tier)"
+    ),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run the full tier too (tests/conftest.py FULL_TIER)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: an end-to-end run of the full tier (tests/conftest.py FULL_TIER)")
+
+
+def pytest_collection_modifyitems(config, items):
+    run_full = config.getoption("--full")
+    for item in items:
+        name = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
+        node = f"tests/{os.path.relpath(item.path, os.path.dirname(__file__))}::{name}".rstrip(":")
+        why = next((w for prefix, w in FULL_TIER.items() if node == prefix or node.startswith(prefix + "::")), None)
+        if why is None:
+            continue
+        item.add_marker(pytest.mark.full)
+        if not run_full:
+            item.add_marker(pytest.mark.skip(reason=f"full tier ({why}): run with --full"))
+
+
 _servers: dict[str, Server] = {}  # least recently used first
 # Servers kept alive at once. Each takes 1-3 GB in three processes; with every configuration alive
 # to the end, a 24 GiB CI machine ran short of page cache for the 11 GB environment and a late

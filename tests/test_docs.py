@@ -53,3 +53,17 @@ def test_relative_links_resolve():
             if not os.path.exists(os.path.normpath(os.path.join(base, target))):
                 broken.append(f"{rel}: {target}")
     assert not broken, broken
+
+
+def test_the_full_tier_names_tests_that_exist():
+    """Every entry of the full tier (tests/conftest.py) names a test module, function or case
+    that exists: a renamed test would otherwise leave the entry matching nothing, and the test
+    would run in the default tier unnoticed (or the entry would look like coverage it is not)."""
+    from conftest import FULL_TIER
+
+    for node in FULL_TIER:
+        path, _, name = node.partition("::")
+        assert os.path.isfile(os.path.join(REPO, path)), node
+        func = re.sub(r"\[.*\]$", "", name)
+        if func:
+            assert re.search(rf"^def {re.escape(func)}\(", _read(path), re.M), node
