@@ -83,7 +83,15 @@ def abort_variants_mid_flight(server, prompt: list, max_new_tokens: int, after_s
     results = abort_all_mid_flight(server, [prompt + [i + 3] for i in range(4)], max_new_tokens, after_s)
     reasons = [r["meta_info"]["finish_reason"]["type"] for r in results if isinstance(r, dict)]
     assert "abort" in reasons, reasons
-    deadline = time.time() + 30
-    while k3_state(server)["tracked_requests"] and time.time() < deadline:
-        time.sleep(0.5)
-    assert k3_state(server)["tracked_requests"] == 0
+    assert wait_untracked(server)["tracked_requests"] == 0
+
+
+def wait_untracked(server, timeout: float = 30.0, poll: float = 0.5) -> dict:
+    """Poll the k3 cache's state until it tracks no request or ``timeout`` seconds pass; returns
+    the last state read (the caller asserts on it)."""
+    deadline = time.time() + timeout
+    state = k3_state(server)
+    while state["tracked_requests"] and time.time() < deadline:
+        time.sleep(poll)
+        state = k3_state(server)
+    return state

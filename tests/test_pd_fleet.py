@@ -21,7 +21,7 @@ needs_mooncake()
 pytest.importorskip("sglang_router")
 
 from conftest import stop_servers_except  # noqa: E402
-from server_utils import k3_state  # noqa: E402
+from server_utils import k3_state, wait_untracked  # noqa: E402
 from workloads import random_tokens  # noqa: E402
 
 from sglang_k3.fleet.local_fleet import FleetSpec, LocalFleet  # noqa: E402
@@ -128,10 +128,7 @@ def test_a_decode_instance_that_dies_fails_its_requests_cleanly_and_the_fleet_re
     th.join(timeout=200)
     assert not th.is_alive() and got["status"] != 200 and got["seconds"] < 90, got
     assert requests.get(prefill.url + "/health", timeout=60).status_code == 200
-    deadline = time.time() + 60
-    while k3_state(prefill)["tracked_requests"] and time.time() < deadline:
-        time.sleep(1)
-    assert k3_state(prefill)["tracked_requests"] == 0
+    assert wait_untracked(prefill, timeout=60, poll=1)["tracked_requests"] == 0
     decode.launch().wait_healthy()
     deadline = time.time() + 60
     while decode.url not in f.router.healthy_urls() and time.time() < deadline:

@@ -15,10 +15,9 @@ answer is in the corpus and drafts are accepted.
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-from server_utils import abort_variants_mid_flight, k3_state
+from server_utils import abort_variants_mid_flight, k3_state, wait_untracked
 from workloads import random_tokens
 
 NEW = 40
@@ -147,10 +146,7 @@ def test_retractions_mid_speculation_keep_greedy_tokens_and_leave_no_state(serve
     with open(s.log_path, errors="replace") as f:
         retractions = f.read().count("Testing retraction")
     assert retractions >= 4, retractions  # the hook really fired, mid-speculation
-    deadline = time.time() + 30
-    while k3_state(s)["tracked_requests"] and time.time() < deadline:
-        time.sleep(0.5)
-    state = k3_state(s)
+    state = wait_untracked(s)
     assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
 
 
