@@ -76,6 +76,9 @@ def test_launch_server_serves_eagle_over_fixed_pools_and_chains_on_cpu(monkeypat
     assert "--speculative-num-steps" not in capsys.readouterr().err  # given, not set
     with pytest.raises(SystemExit, match="draft-tokens 5: a draft chain of 3 tokens is verified as 4"):
         L.build_argv(argv + ["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "5"])
+    for bad in ("three", "0", "-2"):  # the width steps + 1 is derived from it: refused with the reason first
+        with pytest.raises(SystemExit, match=f"--speculative-num-steps {bad}: the draft steps a verify must be"):
+            L.build_argv(argv + ["--speculative-num-steps", bad])
 
 
 def test_unified_memory_stays_off_with_a_draft_model():
