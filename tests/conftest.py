@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo: benchmarks.*
 
+from server_schedule import evict, factory_names, order_modules, predicted_servers, server_starts  # noqa: E402
 from server_utils import Server  # noqa: E402
 
 # Flags per configuration, on top of launch_server's defaults (embedded model, CPU defaults).
@@ -165,6 +166,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "full: an end-to-end run of the full tier (tests/conftest.py FULL_TIER)")
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: order what will run
 def pytest_collection_modifyitems(config, items):
     run_full = config.getoption("--full")
     for item in items:
@@ -176,13 +178,60 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.full)
         if not run_full:
             item.add_marker(pytest.mark.skip(reason=f"full tier ({why}): run with --full"))
+    _schedule_servers(items)
+
+
+# Per test about to run (in run order), the server configurations it is predicted to ask for; and
+# the position of the test now running. get_server's eviction reads both (tests/server_schedule.py).
+_schedule: list[tuple[str, ...]] = []
+_positions: dict[str, int] = {}
+_position = 0
+
+
+def _schedule_servers(items) -> None:
+    """Reorders ``items`` module by module to start the fewest servers, and records what each test
+    will ask for (tests/server_schedule.py)."""
+    known = frozenset(SERVER_CONFIGS) | frozenset(factory_names({str(item.path) for item in items}))
+    modules: dict[str, list] = {}
+    for item in items:
+        skipped = item.get_closest_marker("skip") is not None
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        fixtures = item.fixturenames
+        names = () if skipped else predicted_servers(str(item.path), item.originalname, params, fixtures, known)
+        modules.setdefault(str(item.path), []).append((item, names))
+    order = order_modules({m: [n for _, n in tests] for m, tests in modules.items()}, MAX_LIVE_SERVERS)
+    items[:] = [item for m in order for item, _ in modules[m]]
+    _schedule[:] = [names for m in order for _, names in modules[m]]
+    _positions.clear()
+    _positions.update((item.nodeid, i) for i, item in enumerate(items))
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    if any(_schedule):
+        starts = server_starts(_schedule, MAX_LIVE_SERVERS)
+        configs = len({n for names in _schedule for n in names})
+        return f"session servers: {starts} starts predicted for {configs} configurations"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _started:
+        terminalreporter.write_line(f"session servers: {len(_started)} started ({len(set(_started))} configurations)")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    global _position
+    _position = _positions.get(nodeid, _position)
 
 
 _servers: dict[str, Server] = {}  # least recently used first
+_started: list[str] = []  # every start this session, in order
 # Servers kept alive at once. Each takes 1-3 GB in three processes; with every configuration alive
 # to the end, a 24 GiB CI machine ran short of page cache for the 11 GB environment and a late
 # server took minutes to start. Tests use one or two configurations at a time (most with
-# ``nocache``), so the least recently used one is stopped first and restarted if asked for again.
+# ``nocache``); the one the remaining tests need farthest ahead is stopped first and restarted if
+# asked for again, and test modules run in the order that needs the fewest starts
+# (tests/server_schedule.py).
 MAX_LIVE_SERVERS = 4
 
 
@@ -190,10 +239,11 @@ def get_server(name: str) -> Server:
     srv = _servers.pop(name, None)
     if srv is None or not srv.alive():
         while len(_servers) >= MAX_LIVE_SERVERS:
-            old_name = next(iter(_servers))
+            old_name = evict(list(_servers), _schedule[_position:])
             _servers.pop(old_name).stop()
-            print(f"\n[server {old_name}] stopped (least recently used)", file=sys.stderr)
+            print(f"\n[server {old_name}] stopped (next needed farthest ahead)", file=sys.stderr)
         srv = Server(name, SERVER_CONFIGS[name], env=SERVER_ENVS.get(name)).start()
+        _started.append(name)
         print(f"\n[server {name}] healthy after {srv.start_seconds:.1f}s at {srv.url}", file=sys.stderr)
     _servers[name] = srv  # most recently used last
     return srv
