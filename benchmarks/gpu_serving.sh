@@ -58,6 +58,8 @@ fi
 # the command prefix of ../shared/tools/gpu_serving/README.md
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-serving/*.whl \
   && cp .whl-serving/cutedsl_dual_gemm_shim.py /tmp/site/sglang/kernels/ops/gemm/cutedsl_dual_gemm.py \
+  && { PYTHONPATH=/tmp/site python3 -c 'import flash_mla' 2>/dev/null \
+       || cp benchmarks/gpu_shims/flashmla_backend_absent.py /tmp/site/sglang/srt/layers/attention/flashmla_backend.py; } \
   && export PYTHONPATH=/tmp/site SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 \
   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
 # upstream's Rust tree core is built against torch 2.14's ABI and segfaults on this torch 2.11
