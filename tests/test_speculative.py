@@ -89,15 +89,16 @@ def test_conversations_and_branches_hit_as_without_speculation(server_factory):
     assert all(cached >= 220 for _, cached, _ in spec[3:]), [r[1] for r in spec]
 
 
-def test_a_frontend_fork_program_hits_under_speculation(server_factory):
+def check_fork_program_hits(server, seed: int) -> None:
+    """A frontend ``fork`` program (tests/test_frontend_fork.py's) run twice over one context:
+    both runs succeed, and the second run's branches restore the shared context."""
     import sglang as sgl
     from test_frontend_fork import PREFIX_LEN, branches
     from workloads import PRINTABLE
 
-    s = server_factory("k3_spec")
-    rng = random.Random(3436)
+    rng = random.Random(seed)
     prefix = "".join(chr(rng.choice(PRINTABLE)) for _ in range(PREFIX_LEN))
-    backend = sgl.RuntimeEndpoint(s.url)
+    backend = sgl.RuntimeEndpoint(server.url)
     first = branches.run(prefix=prefix, num_branches=3, label="Branch", backend=backend)
     assert first.error() is None
     second = branches.run(prefix=prefix, num_branches=3, label="Option", backend=backend)
@@ -105,6 +106,10 @@ def test_a_frontend_fork_program_hits_under_speculation(server_factory):
     for m in second.ret_value:
         assert m["completion_tokens"] == 6
         assert m["cached_tokens"] >= 128, m  # the shared context, up to a chunk boundary
+
+
+def test_a_frontend_fork_program_hits_under_speculation(server_factory):
+    check_fork_program_hits(server_factory("k3_spec"), 3436)
 
 
 def test_an_abort_mid_speculation_leaves_no_state_behind(server_factory):

@@ -25,9 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import SERVER_CONFIGS
-from server_utils import abort_variants_mid_flight
-from test_speculative import _run_chats, _spec
+from conftest import SERVER_CONFIGS, SERVER_ENVS
+from server_utils import abort_variants_mid_flight, wait_untracked
+from test_speculative import _run_chats, _spec, check_fork_program_hits
 from workloads import random_tokens
 
 FOLLOWER_PROMPTS, FOLLOWER_NEW = 32, 64
@@ -82,9 +82,14 @@ def eagle_servers(server_factory, tmp_path_factory):
             path,
             *steps,
         ]
+    # EAGLE with SGLang's retraction test hook (every third forward retracts running decodes), as
+    # k3_spec_retract is for NGRAM
+    SERVER_CONFIGS["k3_eagle_retract"] = SERVER_CONFIGS["k3_eagle"]
+    SERVER_ENVS["k3_eagle_retract"] = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
     yield
-    for name in ("k3_eagle", "k3_eagle3", "k3_fixed_sync"):
+    for name in ("k3_eagle", "k3_eagle3", "k3_fixed_sync", "k3_eagle_retract"):
         SERVER_CONFIGS.pop(name, None)
+    SERVER_ENVS.pop("k3_eagle_retract", None)
 
 
 def test_greedy_tokens_equal_the_cache_off_server_with_eagle_drafts_accepted(
@@ -162,5 +167,43 @@ def test_an_abort_mid_eagle_speculation_leaves_no_state_behind(eagle_servers, se
     abort_variants_mid_flight(s, prompt, 200)
     time.sleep(2)  # idle: SGLang checks its KV, request and state pools
     assert s.generate(prompt, 200)["output_ids"] == first["output_ids"]
+    with open(s.log_path, errors="replace") as f:
+        assert "memory leak detected" not in f.read()
+
+
+def test_a_frontend_fork_program_hits_under_eagle_speculation(eagle_servers, server_factory):
+    """The frontend ``fork`` program of the NGRAM test, on the EAGLE server: its branches restore
+    the shared context."""
+    check_fork_program_hits(server_factory("k3_eagle"), 3445)
+
+
+def test_retractions_mid_eagle_speculation_keep_greedy_tokens_and_leave_no_state(
+    eagle_servers, server_factory, nocache_reference
+):
+    """Four requests decoding with EAGLE drafts at once, retracted again and again mid-flight by
+    SGLang's own hook (every third forward). A retracted request gives up its state slot, its KV
+    and its draft's KV, and is prefilled again (target and draft) from what the cache holds:
+    every answer equals the cache-off server's, the prompts still hit, and nothing stays
+    tracked or held (SGLang's strict idle check of its pools logs a leak otherwise)."""
+    rng = random.Random(3446)
+    prompts = [random_tokens(rng, rng.randint(60, 140)) for _ in range(4)]
+
+    def run(server):
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return [o["output_ids"] for o in ex.map(lambda p: server.generate(p, 40), prompts)]
+
+    want = nocache_reference(("eagle_retract", 3446), run)
+    s = server_factory("k3_eagle_retract")
+    for round_ in range(2):  # the second round restores the first's prompts
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: s.generate(p, 40), prompts))
+        assert [o["output_ids"] for o in outs] == want, round_
+    assert all(o["meta_info"]["cached_tokens"] >= 60 for o in outs), [o["meta_info"]["cached_tokens"] for o in outs]
+    with open(s.log_path, errors="replace") as f:
+        log = f.read()
+    assert log.count("Testing retraction") >= 4  # the hook really fired, mid-speculation
+    state = wait_untracked(s)
+    assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
+    time.sleep(2)  # idle: SGLang checks its KV, request and state pools
     with open(s.log_path, errors="replace") as f:
         assert "memory leak detected" not in f.read()
