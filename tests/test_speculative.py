@@ -126,33 +126,42 @@ def test_an_abort_mid_speculation_leaves_no_state_behind(server_factory):
     assert again["output_ids"] == first["output_ids"]
 
 
+def check_retracted_rounds(server, nocache_reference, seed: int, new_tokens: int, min_cached: int) -> list[dict]:
+    """Four random prompts decoded at once, twice, on ``server`` (one whose SGLang retraction hook
+    fires mid-flight): every answer equals the cache-off server's, the second round's prompts
+    restore at least ``min_cached`` tokens, the hook fired, and afterwards nothing is tracked or
+    held. Returns the second round's outputs."""
+    rng = random.Random(seed)
+    prompts = [random_tokens(rng, rng.randint(60, 140)) for _ in range(4)]
+
+    def run(srv):
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(lambda p: srv.generate(p, new_tokens), prompts))
+
+    want = nocache_reference(("retracted_rounds", seed, new_tokens), lambda srv: [o["output_ids"] for o in run(srv)])
+    for round_ in range(2):  # the second round restores (and, for NGRAM, is drafted from) the first
+        outs = run(server)
+        assert [o["output_ids"] for o in outs] == want, round_
+    assert all(o["meta_info"]["cached_tokens"] >= min_cached for o in outs), [
+        o["meta_info"]["cached_tokens"] for o in outs
+    ]
+    with open(server.log_path, errors="replace") as f:
+        retractions = f.read().count("Testing retraction")
+    assert retractions >= 4, retractions  # the hook really fired, mid-speculation
+    state = wait_untracked(server)
+    assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
+    return outs
+
+
 def test_retractions_mid_speculation_keep_greedy_tokens_and_leave_no_state(server_factory, nocache_reference):
     """Four requests decoding speculatively at once, retracted again and again mid-flight by
     SGLang's own hook (``k3_spec_retract``: every third forward). A retracted request goes back to
     the queue, gives up its state slot and KV, and is prefilled again from what the cache holds:
     every answer equals the cache-off server's, drafts are still accepted the second time round, the
     prompts still hit, and nothing stays tracked or held."""
-    rng = random.Random(3438)
-    prompts = [random_tokens(rng, rng.randint(60, 140)) for _ in range(4)]
-
-    def run(server):
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            return [o["output_ids"] for o in ex.map(lambda p: server.generate(p, 48), prompts)]
-
-    want = nocache_reference(("spec_retract", 3438), run)
-    s = server_factory("k3_spec_retract")
-    for round_ in range(2):  # the second round is drafted from the first's answers
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(lambda p: s.generate(p, 48), prompts))
-        assert [o["output_ids"] for o in outs] == want, round_
+    outs = check_retracted_rounds(server_factory("k3_spec_retract"), nocache_reference, 3438, 48, 64)
     accepted = sum(_spec(o["meta_info"])[0] for o in outs)
     assert accepted >= 48, accepted  # of 4 x 48 tokens
-    assert all(o["meta_info"]["cached_tokens"] >= 64 for o in outs), [o["meta_info"]["cached_tokens"] for o in outs]
-    with open(s.log_path, errors="replace") as f:
-        retractions = f.read().count("Testing retraction")
-    assert retractions >= 4, retractions  # the hook really fired, mid-speculation
-    state = wait_untracked(s)
-    assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
 
 
 def test_a_turn_that_stops_inside_a_verify_is_cached_as_without_speculation(server_factory):

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import SERVER_CONFIGS, SERVER_ENVS
-from server_utils import abort_variants_mid_flight, wait_untracked
-from test_speculative import _run_chats, _spec, check_fork_program_hits
+from server_utils import abort_variants_mid_flight
+from test_speculative import _run_chats, _spec, check_fork_program_hits, check_retracted_rounds
 from workloads import random_tokens
 
 FOLLOWER_PROMPTS, FOLLOWER_NEW = 32, 64
@@ -185,25 +185,8 @@ def test_retractions_mid_eagle_speculation_keep_greedy_tokens_and_leave_no_state
     and its draft's KV, and is prefilled again (target and draft) from what the cache holds:
     every answer equals the cache-off server's, the prompts still hit, and nothing stays
     tracked or held (SGLang's strict idle check of its pools logs a leak otherwise)."""
-    rng = random.Random(3446)
-    prompts = [random_tokens(rng, rng.randint(60, 140)) for _ in range(4)]
-
-    def run(server):
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            return [o["output_ids"] for o in ex.map(lambda p: server.generate(p, 40), prompts)]
-
-    want = nocache_reference(("eagle_retract", 3446), run)
     s = server_factory("k3_eagle_retract")
-    for round_ in range(2):  # the second round restores the first's prompts
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(lambda p: s.generate(p, 40), prompts))
-        assert [o["output_ids"] for o in outs] == want, round_
-    assert all(o["meta_info"]["cached_tokens"] >= 60 for o in outs), [o["meta_info"]["cached_tokens"] for o in outs]
-    with open(s.log_path, errors="replace") as f:
-        log = f.read()
-    assert log.count("Testing retraction") >= 4  # the hook really fired, mid-speculation
-    state = wait_untracked(s)
-    assert state["tracked_requests"] == 0 and state["memory_active_bytes"] == 0, state
+    check_retracted_rounds(s, nocache_reference, 3446, 40, 60)
     time.sleep(2)  # idle: SGLang checks its KV, request and state pools
     with open(s.log_path, errors="replace") as f:
         assert "memory leak detected" not in f.read()
