@@ -34,6 +34,14 @@ FOLLOWER_PROMPTS, FOLLOWER_NEW = 32, 64
 _PLAIN: dict[str, list] = {}  # the chats on the server without speculation, run once
 
 
+def _assert_no_idle_leak(server) -> None:
+    """Idle a moment, so SGLang checks its KV, request and state pools (strict by default: a leak
+    is logged as "memory leak detected" and stops the server), then read its log for one."""
+    time.sleep(2)
+    with open(server.log_path, errors="replace") as f:
+        assert "memory leak detected" not in f.read()
+
+
 def _followers(server, seed: int) -> dict[int, int]:
     """For each token the cache-off server's greedy answers contain, the token they most often
     put after it."""
@@ -85,7 +93,7 @@ def eagle_servers(server_factory, tmp_path_factory):
     # EAGLE with SGLang's retraction test hook (every third forward retracts running decodes), as
     # k3_spec_retract is for NGRAM
     SERVER_CONFIGS["k3_eagle_retract"] = SERVER_CONFIGS["k3_eagle"]
-    SERVER_ENVS["k3_eagle_retract"] = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
+    SERVER_ENVS["k3_eagle_retract"] = SERVER_ENVS["k3_spec_retract"]
     yield
     for name in ("k3_eagle", "k3_eagle3", "k3_fixed_sync", "k3_eagle_retract"):
         SERVER_CONFIGS.pop(name, None)
@@ -165,10 +173,8 @@ def test_an_abort_mid_eagle_speculation_leaves_no_state_behind(eagle_servers, se
     prompt = random_tokens(rng, 120)
     first = s.generate(prompt, 200)
     abort_variants_mid_flight(s, prompt, 200)
-    time.sleep(2)  # idle: SGLang checks its KV, request and state pools
+    _assert_no_idle_leak(s)
     assert s.generate(prompt, 200)["output_ids"] == first["output_ids"]
-    with open(s.log_path, errors="replace") as f:
-        assert "memory leak detected" not in f.read()
 
 
 def test_a_frontend_fork_program_hits_under_eagle_speculation(eagle_servers, server_factory):
@@ -187,6 +193,4 @@ def test_retractions_mid_eagle_speculation_keep_greedy_tokens_and_leave_no_state
     tracked or held (SGLang's strict idle check of its pools logs a leak otherwise)."""
     s = server_factory("k3_eagle_retract")
     check_retracted_rounds(s, nocache_reference, 3446, 40, 60)
-    time.sleep(2)  # idle: SGLang checks its KV, request and state pools
-    with open(s.log_path, errors="replace") as f:
-        assert "memory leak detected" not in f.read()
+    _assert_no_idle_leak(s)

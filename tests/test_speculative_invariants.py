@@ -113,22 +113,26 @@ class Driver:
             self.lc.evict(num_tokens=short)
         return self.kv.alloc(n)  # MemoryError if the tree could not free enough
 
-    def _adopt(self, ins, kv: list[int]) -> list[int]:
-        """After an insert the request reads the tree's KV for what the tree holds (SGLang sets
-        ``prefix_indices`` from it); indices of its own that the tree did not take were freed."""
-        return self.lc.tree.path_kv(ins.node)[: ins.inserted_len] + kv[ins.inserted_len :]
+    def _insert(self, r: dict) -> None:
+        """Insert the request's key and KV so far (SGLang's ``cache_unfinished_req``): it reads
+        the tree's KV back for what the tree holds (indices of its own that the tree did not take
+        were freed), and its lock moves to the new node."""
+        ins = self.lc.insert(r["key"], r["kv"])
+        r["kv"] = self.lc.tree.path_kv(ins.node)[: ins.inserted_len] + r["kv"][ins.inserted_len :]
+        self.lc.tree.inc_lock_ref(ins.node)
+        if r["node"] is not None:
+            self.lc.tree.dec_lock_ref(r["node"])
+        r["node"] = ins.node
 
     def admit(self, rid: str, prompt: list[int], slot: int) -> int:
         """Match (pinning the hit), prefill the rest, checkpoint the prompt end. Returns the hit."""
         m = self.lc.match(rid, prompt, admit=True, prompt_len=len(prompt))
         kv = list(m.kv_indices) + self.alloc_kv(len(prompt) - m.restore_len)  # the hit's KV is the tree's
         self.active_len[slot] = len(prompt)
-        ins = self.lc.insert(prompt, kv)
-        kv = self._adopt(ins, kv)
-        self.lc.tree.inc_lock_ref(ins.node)
-        self.lc.checkpoint_running(rid, ins.node, len(prompt), active_slot=slot)
+        r = self.running[rid] = dict(key=list(prompt), kv=kv, node=None, slot=slot)
+        self._insert(r)
+        self.lc.checkpoint_running(rid, r["node"], len(prompt), active_slot=slot)
         self.lc.release_pin(rid)  # the copy-on-write has landed
-        self.running[rid] = dict(key=list(prompt), kv=kv, node=ins.node, slot=slot)
         return m.restore_len
 
     def verify(self, rid: str, accepted: int, scope: bool = True) -> int:
@@ -145,13 +149,9 @@ class Driver:
         self.active_len[r["slot"]] = len(r["key"])  # SGLang's commit: the state after the accepted tokens
         if scope:
             self.lc.begin_store_scope()
-        ins = self.lc.insert(r["key"], r["kv"])
-        r["kv"] = self._adopt(ins, r["kv"])
-        self.lc.tree.inc_lock_ref(ins.node)
-        self.lc.tree.dec_lock_ref(r["node"])
-        r["node"] = ins.node
+        self._insert(r)
         if self.lc.decode_due(len(r["key"]), accepted):
-            self.lc.checkpoint_running(rid, ins.node, len(r["key"]), r["slot"], kind=K.DECODE)
+            self.lc.checkpoint_running(rid, r["node"], len(r["key"]), r["slot"], kind=K.DECODE)
         if scope:
             self.lc.end_store_scope()
         return len(r["key"])
@@ -159,12 +159,10 @@ class Driver:
     def finish(self, rid: str) -> None:
         r = self.running.pop(rid)
         self.lc.begin_store_scope()
-        ins = self.lc.insert(r["key"], r["kv"])
-        self.lc.tree.inc_lock_ref(ins.node)
-        self.lc.tree.dec_lock_ref(r["node"])
-        self.lc.finish(ins.node, len(r["key"]), self.active_len[r["slot"]], r["slot"], rid=rid)
+        self._insert(r)
+        self.lc.finish(r["node"], len(r["key"]), self.active_len[r["slot"]], r["slot"], rid=rid)
         self.lc.end_store_scope()
-        self.lc.tree.dec_lock_ref(ins.node)
+        self.lc.tree.dec_lock_ref(r["node"])
         self.lc.release(rid)
 
     def check_boundaries(self) -> None:
