@@ -156,14 +156,16 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
         EAGLE_TOPK_FLAG,
         NGRAM_CPU_BREADTH_FLAG,
         check_speculative,
+        eagle_chain_steps,
     )
 
     draft_model = str(algorithm).upper() in DRAFT_MODEL_ALGORITHMS
     if cpu and draft_model:
-        steps = _value(argv, EAGLE_STEPS_FLAG) or "1"
-        if not steps.isdigit() or int(steps) < 1:
-            raise SystemExit(f"{EAGLE_STEPS_FLAG} {steps}: the draft steps a verify must be a whole number, 1 or more")
-        chain = [(EAGLE_STEPS_FLAG, steps), (EAGLE_TOPK_FLAG, "1"), (EAGLE_DRAFT_TOKENS_FLAG, str(int(steps) + 1))]
+        try:
+            steps = eagle_chain_steps(_value(argv, EAGLE_STEPS_FLAG) or "1")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        chain = [(EAGLE_STEPS_FLAG, str(steps)), (EAGLE_TOPK_FLAG, "1"), (EAGLE_DRAFT_TOKENS_FLAG, str(steps + 1))]
         missing = [(f, v) for f, v in chain if _value(argv, f) is None]
         if missing:
             print(

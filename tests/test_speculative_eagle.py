@@ -44,6 +44,9 @@ def test_check_speculative_decisions():
         wrong_width = "--speculative-num-steps 3 --speculative-num-draft-tokens 3: .*draft-tokens 4"
         with pytest.raises(ValueError, match=wrong_width):
             check_speculative(algo, cpu=True, eagle_topk=1, eagle_steps=3, eagle_draft_tokens=3)
+        for bad in ("three", "0"):  # on a GPU too: the reason, not int()'s message
+            with pytest.raises(ValueError, match=f"--speculative-num-steps {bad}: the draft steps a verify must be"):
+                check_speculative(algo, cpu=False, eagle_steps=bad, eagle_draft_tokens=4)
     for cpu in (False, True):
         with pytest.raises(ValueError, match="NEXTN: the k3 cache does not serve with it: .*no MTP/NextN layer"):
             check_speculative("NEXTN", cpu=cpu)

@@ -338,6 +338,15 @@ EAGLE_DRAFT_TOKENS_FLAG = "--speculative-num-draft-tokens"
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3")  # served with a draft model (sglang_k3.model.tiny_draft builds one)
 
 
+def eagle_chain_steps(value) -> int:
+    """``--speculative-num-steps`` as a whole number of draft steps a verify, 1 or more (the
+    chain's verify width, steps + 1, is derived from it); ValueError with the reason otherwise."""
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{EAGLE_STEPS_FLAG} {value}: the draft steps a verify must be a whole number, 1 or more")
+    return int(text)
+
+
 def check_speculative(
     algorithm, *, cpu: bool = False, ngram_breadth=None, eagle_topk=None, eagle_steps=None, eagle_draft_tokens=None
 ) -> None:
@@ -384,7 +393,7 @@ def check_speculative(
                 f"with draft chains only ({EAGLE_TOPK_FLAG} 1): draft trees are not tested with it, and SGLang's "
                 "FlashInfer KDA verify refuses them"
             )
-        chain_width = None if eagle_steps is None else int(eagle_steps) + 1
+        chain_width = None if eagle_steps is None else eagle_chain_steps(eagle_steps) + 1
         if chain_width is not None and eagle_draft_tokens is not None and int(eagle_draft_tokens) != chain_width:
             raise ValueError(
                 f"--speculative-algorithm {algorithm} {EAGLE_STEPS_FLAG} {eagle_steps} {EAGLE_DRAFT_TOKENS_FLAG} "
