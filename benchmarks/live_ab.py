@@ -476,11 +476,13 @@ def try_upstream_unified(args, Server, ServerStartError, log_dir: str, say) -> d
 
 
 def k3_memory(url: str) -> dict:
-    """The k3 server's unified-memory split (the memory_* fields of /server_info)."""
+    """The k3 server's unified-memory split and its lower tiers' counters (the memory_* and tier_*
+    fields of /server_info): on CUDA the tier_host_pin_* counters say whether the host tier's
+    buffers were page-locked, and whether a freed range was still registered (issue 32)."""
     import requests
 
     st = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0].get("k3_cache", {})
-    return {k: v for k, v in st.items() if k.startswith("memory_")}
+    return {k: v for k, v in st.items() if k.startswith(("memory_", "tier_"))}
 
 
 WARM_PASS_SEED_OFFSET = 1000  # --warm-pass: its prompts share nothing with the measured ones
@@ -728,6 +730,8 @@ def main(argv=None) -> int:
         "skipped": skipped,
         "server_commands": {c: shlex.join(servers[c].command) for c in args.caches},
         "greedy_gates_exit": not args.greedy_informational,
+        # the k3 server's memory_* and tier_* counters after each workload (with or without --pressure)
+        "k3_cache_after_each_workload": k3_split,
         "pressure": None
         if not args.pressure
         else {
