@@ -51,6 +51,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from sglang_k3.tiers import codec
+from sglang_k3.tiers.copy_up import CopyUp
 from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, block_hashes, boundary_key, boundary_keys, kv_block_key
 from sglang_k3.tiers.ports import TierCounters, TierIO, TierStore
 
@@ -123,18 +124,13 @@ class TierManager:
         self.counters = TierCounters()
         self.hits_by_tier = {s.name: 0 for s in self.stores}
         self.hit_tokens_by_tier = {s.name: 0 for s in self.stores}
-        # Prefetch: a waiting request's boundary that lies in a lower tier is copied into the
-        # host tier by one background thread, so its admission loads from host memory. The
-        # lifecycle holds the request back while that copy runs (TierBridge.held).
-        self._executor = None
+        # a waiting request's boundary that lies in a lower tier is copied into the host tier
+        self.copy_up = CopyUp(self.stores, self.counters, self._find)
         self.write_queue_bytes = write_queue_bytes
         self._writer = None
         self._writing: dict[str, int] = {}  # boundary key -> bytes, while its write is queued or running
         self._writing_bytes = 0
         self._write_lock = threading.Lock()
-        self._inflight: dict[str, float] = {}  # boundary key -> start of its copy
-        self._landed = threading.Condition()  # notified each time a copy up ends (wait_copy_up)
-        self._prefetched: dict[str, float] = {}  # copied up, not loaded yet (oldest first, bounded)
 
     # ------------------------------------------------------------------ save
     def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
@@ -312,99 +308,31 @@ class TierManager:
             self.counters.found += 1
         return plan
 
-    # ------------------------------------------------------------------ prefetch
+    # ------------------------------------------------------------------ prefetch (tiers/copy_up.py)
     def prefetch(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> bool:
         """For a waiting request: start copying into the host tier (the first store) the parts of
         the deepest boundary past ``floor`` that only a lower tier holds. Returns whether a copy
         started (not when there is no host tier above another, nothing to copy, or one running)."""
-        return self._copy_up_deepest(tokens, floor, cap, device_kv)[1]
+        return self.copy_up.start(tokens, floor, cap, device_kv)[1]
 
     def copying_up(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[str]:
         """:meth:`prefetch`, returning the key of the boundary whose copy into host memory runs
         now (started by this call or an earlier one), or None when none runs for it."""
-        return self._copy_up_deepest(tokens, floor, cap, device_kv)[0]
+        return self.copy_up.start(tokens, floor, cap, device_kv)[0]
 
     @property
     def copies_up(self) -> bool:
-        """Whether a lower tier's objects can be copied up into host memory: a host tier sits
-        above another tier."""
-        return len(self.stores) >= 2 and self.stores[0].name == "host"
+        """Whether a host tier sits above another tier (:attr:`CopyUp.possible`)."""
+        return self.copy_up.possible
 
     def copy_running(self, key: str) -> bool:
-        """Whether the copy up of boundary ``key`` is still running (False once it landed or failed)."""
-        return key in self._inflight
+        return self.copy_up.running(key)
 
     def wait_copy_up(self, timeout: float) -> bool:
-        """Block until some copy up ends (landed or failed), at most ``timeout`` seconds, without
-        holding the GIL; True when one ended or none runs. For a scheduler with nothing to run but
-        held requests: it waits here instead of spinning, which would take the GIL from the very
-        thread doing the copy."""
-        with self._landed:
-            if not self._inflight:
-                return True
-            return self._landed.wait(timeout)
-
-    def _copy_up_deepest(self, tokens, floor: int, cap: int, device_kv: int) -> tuple[Optional[str], bool]:
-        host = self.stores[0]
-        if not self.copies_up or cap <= floor:
-            return None, False
-        t0 = time.perf_counter()
-        try:
-            plan = self._find(tokens, floor, cap, device_kv)
-        finally:
-            self.counters.find_seconds += time.perf_counter() - t0
-        if plan is None:
-            return None, False
-        if plan.key in self._inflight:
-            return plan.key, False
-        parts = [(key, store) for _, key, store in plan.blocks if store is not host]
-        if plan.store is not host:
-            parts.append((plan.key, plan.store))  # the boundary last, as a save writes it
-        if not parts:
-            return None, False
-        if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-prefetch")
-        self._inflight[plan.key] = time.perf_counter()
-        self.counters.prefetches += 1
-        self._executor.submit(self._copy_up, host, plan.key, parts)
-        return plan.key, True
-
-    def _copy_up(self, host: TierStore, bkey: str, parts: list) -> None:
-        t0 = time.perf_counter()
-        c = self.counters
-        try:
-            for key, store in parts:
-                blob = store.get(key)
-                if not blob or not host.put(key, blob):
-                    c.prefetch_failures += 1
-                    return
-                c.prefetch_objects += 1
-                c.prefetch_bytes += len(blob)
-            self._prefetched[bkey] = self._inflight.get(bkey, t0)
-            while len(self._prefetched) > 4096:
-                self._prefetched.pop(next(iter(self._prefetched)))
-        except Exception:
-            c.prefetch_failures += 1
-            logger.exception("k3 tier: prefetch of %s failed", bkey)
-        finally:
-            c.prefetch_seconds += time.perf_counter() - t0
-            with self._landed:
-                self._inflight.pop(bkey, None)
-                self._landed.notify_all()
+        return self.copy_up.wait_one(timeout)
 
     def wait_prefetches(self, timeout: float = 30.0) -> bool:
-        """Block until no prefetch runs (tests, shutdown); False on timeout. Woken by each copy's
-        end (the condition :meth:`wait_copy_up` waits on), not by polling."""
-        deadline = time.perf_counter() + timeout
-        with self._landed:
-            while self._inflight:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return False
-                self._landed.wait(left)
-        return True
+        return self.copy_up.wait_all(timeout)
 
     def _find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
         B = self.block
@@ -499,7 +427,7 @@ class TierManager:
         c.load_bytes += nbytes
         c.load_seconds += time.perf_counter() - t0
         self.hits_by_tier[plan.store.name] += 1
-        started = self._prefetched.pop(plan.key, None)
+        started = self.copy_up.landed(plan.key)
         if started is not None and plan.store is self.stores[0]:
             c.prefetch_hits += 1
             c.prefetch_lead_seconds += time.perf_counter() - started
