@@ -80,6 +80,8 @@ class CheckpointRegistry:
         of the stuck ones, hold KV that is protected already. SGLang asks for the evictable size
         several times a step. With 128 running requests and 16 unlanded copies (three checkpoints
         each) a call costs 19 us; iterating every stuck checkpoint cost 78 us."""
+        if not self._stuck_free:  # the common case: SGLang asks hundreds of times a step
+            return 0
         counted: dict[int, int] = {}
         for holder in {self._ckpts[cid].node for cid in self._stuck_free}:
             for n in self._path(holder):  # type: ignore[arg-type]
