@@ -143,11 +143,13 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
     ``patches/kv_cache_configurator_init_pools`` leaves SGLang's pools with a draft model). On CPU
     an EAGLE draft is a chain of one step a verify unless ``--speculative-num-steps`` says more
     (``--speculative-eagle-topk 1`` and ``--speculative-num-draft-tokens`` steps + 1 set where not
-    given); with NGRAM unified memory stays."""
+    given), with or without the k3 cache (the CPU verify takes chains; a cache-off server given only
+    ``--speculative-num-steps`` stopped in SGLang's own argument check with a ``TypeError``); with
+    NGRAM unified memory stays."""
     import dataclasses
 
     algorithm = _value(argv, "--speculative-algorithm")
-    if not algorithm or not _k3_serves(argv):
+    if not algorithm:
         return argv, cfg
     from sglang_k3.integration.k3_args import (
         DRAFT_MODEL_ALGORITHMS,
@@ -182,6 +184,8 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
             file=sys.stderr,
         )
         argv = argv + [NGRAM_CPU_BREADTH_FLAG, "1"]
+    if not _k3_serves(argv):  # the CPU path's chains above hold with the cache off too; the rest is the k3 cache's
+        return argv, cfg
     try:
         check_speculative(
             algorithm,

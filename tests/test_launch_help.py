@@ -214,7 +214,9 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
     verify path), and a wider one is refused before SGLang starts. EAGLE and EAGLE3 draft chains
     serve (their defaults and refusals: test_speculative_eagle.py); NEXTN and STANDALONE are
     refused everywhere, with the reason.
-    SGLang's own cache and a cache-off server are SGLang's to check."""
+    SGLang's own cache and a cache-off server are SGLang's to check; on CPU they get the CPU
+    verify's draft chains too (a cache-off EAGLE server given only --speculative-num-steps stopped
+    in SGLang's own check with a TypeError)."""
     import pytest
 
     from sglang_k3 import launch_server as L
@@ -234,6 +236,15 @@ def test_k3_serves_ngram_speculation_and_refuses_the_rest_with_the_reason(monkey
     for algo in ("NEXTN", "STANDALONE"):
         with pytest.raises(SystemExit, match=f"--speculative-algorithm {algo}: the k3 cache does not serve with it"):
             L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo])
+        L.build_argv(["--model-path", "/m", "--speculative-algorithm", algo, "--disable-radix-cache"])  # SGLang's
+    off = ["--model-path", "/m", "--disable-radix-cache", "--speculative-algorithm", "EAGLE"]
+    argv, _ = L.build_argv(off + ["--speculative-draft-model-path", "/d", "--speculative-num-steps", "3"])
+    got = {f: argv[argv.index(f) + 1] for f in ("--speculative-eagle-topk", "--speculative-num-draft-tokens")}
+    assert got == {"--speculative-eagle-topk": "1", "--speculative-num-draft-tokens": "4"}, argv
+    argv, _ = L.build_argv(
+        ["--model-path", "/m", "--radix-cache-backend", "upstream", "--speculative-algorithm", "NGRAM"]
+    )
+    assert argv[argv.index("--speculative-ngram-max-bfs-breadth") + 1] == "1"
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
     gpu, cfg = L.build_argv(["--model-path", "/m", "--speculative-algorithm", "NGRAM"])
     assert "--speculative-ngram-max-bfs-breadth" not in gpu  # SGLang's trees on a GPU
