@@ -4,17 +4,14 @@ the soak after every step). Torch-free."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sglang_k3.cache.node import Checkpoint
 
-if TYPE_CHECKING:
-    from sglang_k3.cache.tree import K3RadixTree
 
-
-def check_tree(tree: "K3RadixTree") -> None:
+def check_tree(tree) -> None:
     """Every node's links, keys, KV and locks; every checkpoint's place, pins and handles; the
-    evictable/protected token counts, checkpoint counts and bytes, and the stuck sets."""
+    evictable/protected token counts, checkpoint counts and bytes, and the stuck sets of ``tree``,
+    a :class:`~sglang_k3.cache.tree.K3RadixTree` (not imported: the tree imports this module, and
+    the check reads its private bookkeeping, so it belongs to the tree alone)."""
     seen_kv: set[int] = set()
     seen_h: dict[int, Checkpoint] = {}
     ev = pr = nck = nbytes = 0
