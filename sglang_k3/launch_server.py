@@ -162,7 +162,18 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
     )
 
     draft_model = str(algorithm).upper() in DRAFT_MODEL_ALGORITHMS
-    if cpu and draft_model:
+    # On a GPU SGLang takes the three chain flags together, or none (then it picks them): given
+    # the steps alone it stopped with a TypeError, a topk or width without the steps with an
+    # AssertionError. With the k3 cache (chains only) the steps decide the other two.
+    chain_given = [_value(argv, f) for f in (EAGLE_STEPS_FLAG, EAGLE_TOPK_FLAG, EAGLE_DRAFT_TOKENS_FLAG)]
+    gpu_chain = draft_model and not cpu and _k3_serves(argv) and any(v is not None for v in chain_given)
+    if gpu_chain and chain_given[0] is None:
+        raise SystemExit(
+            f"sglang-k3: --speculative-algorithm {algorithm}: {EAGLE_TOPK_FLAG} or {EAGLE_DRAFT_TOKENS_FLAG} "
+            f"without {EAGLE_STEPS_FLAG}: give the draft steps too (a chain of n steps is verified as "
+            "n + 1 tokens), or none of the three for SGLang's own choice"
+        )
+    if draft_model and (cpu or gpu_chain):
         try:
             steps = eagle_chain_steps(_value(argv, EAGLE_STEPS_FLAG) or "1")
         except ValueError as e:
@@ -171,9 +182,13 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
         missing = [(f, v) for f, v in chain if _value(argv, f) is None]
         if missing:
             print(
-                f"sglang-k3: --speculative-algorithm {algorithm} on CPU: "
+                f"sglang-k3: --speculative-algorithm {algorithm} {'on CPU' if cpu else 'with the k3 cache'}: "
                 + " ".join(f"{f} {v}" for f, v in missing)
-                + " (a draft chain; each draft step costs a draft forward on the CPU)",
+                + (
+                    " (a draft chain; each draft step costs a draft forward on the CPU)"
+                    if cpu
+                    else " (a draft chain: SGLang needs them beside the steps)"
+                ),
                 file=sys.stderr,
             )
             argv = argv + [x for fv in missing for x in fv]

@@ -61,13 +61,20 @@ def test_launch_server_serves_eagle_over_fixed_pools_and_chains_on_cpu(monkeypat
 
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: False)
     argv = ["--model-path", "/m", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d"]
-    for extra in ([], ["--speculative-eagle-topk", "1"]):
-        out, cfg = L.build_argv(argv + extra)
-        assert out[out.index("--speculative-algorithm") + 1] == "EAGLE3" and "/d" in out
-        assert not cfg.unified_memory
-        assert "a draft model's KV pool is sized from SGLang's own" in capsys.readouterr().err
+    out, cfg = L.build_argv(argv)  # none of the three chain flags: SGLang picks them
+    assert out[out.index("--speculative-algorithm") + 1] == "EAGLE3" and "/d" in out
+    assert "--speculative-eagle-topk" not in out and "--speculative-num-steps" not in out
+    assert not cfg.unified_memory
+    assert "a draft model's KV pool is sized from SGLang's own" in capsys.readouterr().err
+    # the steps alone (SGLang stopped on them with a TypeError): the chain's topk and width follow
+    out, cfg = L.build_argv(argv + ["--speculative-num-steps", "3"])
+    assert [out[out.index(f) + 1] for f in ("--speculative-eagle-topk", "--speculative-num-draft-tokens")] == ["1", "4"]
+    assert "with the k3 cache: --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in capsys.readouterr().err
+    # a topk without the steps (SGLang: a bare AssertionError): refused with what to give
+    with pytest.raises(SystemExit, match="without --speculative-num-steps: give the draft steps too"):
+        L.build_argv(argv + ["--speculative-eagle-topk", "1"])
     with pytest.raises(SystemExit, match="--speculative-eagle-topk 2: the k3 cache serves EAGLE with draft chains"):
-        L.build_argv(argv + ["--speculative-eagle-topk", "2"])
+        L.build_argv(argv + ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2"])
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
     out, cfg = L.build_argv(argv)  # on CPU: a chain of one draft step, set where not given
     for flag, value in (("--speculative-num-steps", "1"), ("--speculative-eagle-topk", "1")):
