@@ -167,13 +167,7 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
     # AssertionError. With the k3 cache (chains only) the steps decide the other two.
     chain_given = [_value(argv, f) for f in (EAGLE_STEPS_FLAG, EAGLE_TOPK_FLAG, EAGLE_DRAFT_TOKENS_FLAG)]
     gpu_chain = draft_model and not cpu and _k3_serves(argv) and any(v is not None for v in chain_given)
-    if gpu_chain and chain_given[0] is None:
-        raise SystemExit(
-            f"sglang-k3: --speculative-algorithm {algorithm}: {EAGLE_TOPK_FLAG} or {EAGLE_DRAFT_TOKENS_FLAG} "
-            f"without {EAGLE_STEPS_FLAG}: give the draft steps too (a chain of n steps is verified as "
-            "n + 1 tokens), or none of the three for SGLang's own choice"
-        )
-    if draft_model and (cpu or gpu_chain):
+    if draft_model and (cpu or (gpu_chain and chain_given[0] is not None)):
         try:
             steps = eagle_chain_steps(_value(argv, EAGLE_STEPS_FLAG) or "1")
         except ValueError as e:
@@ -212,6 +206,12 @@ def _speculative_defaults(argv: list[str], cfg: K3Config, cpu: bool) -> tuple[li
         )
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if gpu_chain and chain_given[0] is None:  # after the refusals above: a topk of 2 is refused as such
+        raise SystemExit(
+            f"sglang-k3: --speculative-algorithm {algorithm}: {EAGLE_TOPK_FLAG} or {EAGLE_DRAFT_TOKENS_FLAG} "
+            f"without {EAGLE_STEPS_FLAG}: give the draft steps too (a chain of n steps is verified as "
+            "n + 1 tokens), or none of the three for SGLang's own choice"
+        )
     if not cpu and cfg.unified_memory:
         print(
             f"sglang-k3: --speculative-algorithm {algorithm} on a GPU: the k3 cache runs over SGLang's own KV and "

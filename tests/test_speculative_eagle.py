@@ -74,6 +74,8 @@ def test_launch_server_serves_eagle_over_fixed_pools_and_chains_on_cpu(monkeypat
     with pytest.raises(SystemExit, match="without --speculative-num-steps: give the draft steps too"):
         L.build_argv(argv + ["--speculative-eagle-topk", "1"])
     with pytest.raises(SystemExit, match="--speculative-eagle-topk 2: the k3 cache serves EAGLE with draft chains"):
+        L.build_argv(argv + ["--speculative-eagle-topk", "2"])
+    with pytest.raises(SystemExit, match="--speculative-eagle-topk 2: the k3 cache serves EAGLE with draft chains"):
         L.build_argv(argv + ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2"])
     monkeypatch.setattr("sglang_k3.integration.platform_entry.cpu_platform_wanted", lambda: True)
     out, cfg = L.build_argv(argv)  # on CPU: a chain of one draft step, set where not given
