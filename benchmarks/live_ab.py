@@ -739,7 +739,6 @@ def main(argv=None) -> int:
             "budget_bytes": next((v.get("memory_budget_bytes") for v in k3_split.values()), None),
             "sizes": PRESSURE_SIZES,
             "upstream_unified_memory": upstream_unified,
-            "k3_memory_after_each_workload": k3_split,
             "target": "k3 prefill tokens <= 0.7 x upstream's on multiturn and trace",
             "target_met": {
                 r["workload"]: (r["prefill_tokens"] is not None and r["prefill_tokens"] <= 0.7)

@@ -303,7 +303,7 @@ def test_pressure_end_to_end(tmp_path):
         assert "--max-total-tokens 1536" in res["server_commands"][c]
     for rec in res["records"]:
         assert rec["running_peak"] is not None and 1 <= rec["running_peak"] <= 4
-    split = p["k3_memory_after_each_workload"]["multiturn"]
+    split = res["k3_cache_after_each_workload"]["multiturn"]
     assert split["memory_budget_bytes"] == p["budget_bytes"]
     assert split["memory_kv_bytes"] + split["memory_checkpoint_bytes"] > 0
     assert res["greedy"]["multiturn"]["mismatches"] == 0
