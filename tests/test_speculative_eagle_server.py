@@ -80,18 +80,14 @@ def eagle_servers(server_factory, tmp_path_factory):
     # EAGLE drafts chains of three (a torch-native draft backend per step), EAGLE3 launch_server's
     # CPU default of one
     chains = (("k3_eagle", "EAGLE", eagle, ["--speculative-num-steps", "3"]), ("k3_eagle3", "EAGLE3", eagle3, []))
-    for name, algo, path, steps in chains:
-        SERVER_CONFIGS[name] = [
-            "--k3-checkpoint-dtype",
-            "fp32",
-            "--speculative-algorithm",
-            algo,
-            "--speculative-draft-model-path",
-            path,
-            *steps,
-        ]
+    spec = {
+        name: ["--speculative-algorithm", algo, "--speculative-draft-model-path", path, *steps]
+        for name, algo, path, steps in chains
+    }
+    for name, flags in spec.items():
+        SERVER_CONFIGS[name] = ["--k3-checkpoint-dtype", "fp32", *flags]
     # the cache-off server with the same EAGLE draft: the acceptance the k3 server's must match
-    SERVER_CONFIGS["off_eagle"] = ["--disable-radix-cache", *SERVER_CONFIGS["k3_eagle"][2:]]
+    SERVER_CONFIGS["off_eagle"] = ["--disable-radix-cache", *spec["k3_eagle"]]
     # EAGLE with SGLang's retraction test hook (every third forward retracts running decodes), as
     # k3_spec_retract is for NGRAM
     SERVER_CONFIGS["k3_eagle_retract"] = SERVER_CONFIGS["k3_eagle"]
