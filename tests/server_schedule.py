@@ -107,7 +107,13 @@ def evict(live: Sequence[str], future: Sequence[Sequence[str]]) -> str:
         for name in names:
             if nxt.get(name) == NEVER:
                 nxt[name] = i
-    return max(live, key=lambda name: (nxt[name], -live.index(name)))
+    return _victim(live, nxt)
+
+
+def _victim(live: Sequence[str], next_use: dict[str, int]) -> str:
+    """Belady's choice among ``live`` (least recently used first): the farthest ``next_use``,
+    ties to the least recently used."""
+    return max(live, key=lambda name: (next_use[name], -live.index(name)))
 
 
 def server_starts(schedule: Sequence[Sequence[str]], slots: int) -> int:
@@ -125,10 +131,7 @@ def server_starts(schedule: Sequence[Sequence[str]], slots: int) -> int:
         if name not in live:
             starts += 1
             if len(live) >= slots:
-                # Farthest next use, ties to the least recently used: evict()'s rule on the flat list.
-                order = list(live)
-                victim = max(order, key=lambda n: (live[n], -order.index(n)))
-                del live[victim]
+                del live[_victim(list(live), live)]  # evict()'s rule, next uses precomputed
         live.pop(name, None)
         live[name] = next_use[i]
     return starts
