@@ -62,7 +62,7 @@ class Driver:
 
 def _settle(pin: PinnedHostMemory) -> None:
     gc.collect()
-    pin._pin.submit(lambda: None).result()  # the unregistrations queued before it have run
+    pin._pin.call(lambda: None)  # the unregistrations queued before it have run
 
 
 def _mapped(region: mmap.mmap) -> bool:
@@ -128,3 +128,49 @@ def test_the_host_store_reports_the_allocators_counts():
     assert stats["tier_host_pin_stale_ranges"] == 1
     assert stats["tier_host_pin_unregister_failures"] == 0
     assert stats["tier_host_pin_failures"] == 0
+
+
+class _Cycle:
+    """A buffer in a reference cycle: freed only by the cyclic collector, inside whatever
+    allocation triggers it."""
+
+    def __init__(self, buf) -> None:
+        self.buf, self.me = buf, self
+
+
+def test_buffers_the_collector_frees_during_registrations_never_stop_the_allocating_thread():
+    """A buffer's finalizer posts its unregistration from inside a garbage collection, which runs
+    inside any allocation, including those made while a registration is handed to the pin
+    thread. With an executor's ``submit`` (its lock held while it allocated) such a collection
+    deadlocked the allocating thread, seen on an H100. Here the collector runs at every
+    allocation and each collection finds a freshly dropped buffer in a cycle to free: every
+    registration returns, and every freed buffer is unregistered."""
+    drv = Driver()
+    pin = PinnedHostMemory(runtime=drv)
+    spare = [pin(PAGE) for _ in range(2000)]
+    done: list[int] = []
+
+    def make_garbage(phase: str, info: dict) -> None:
+        if phase == "start" and spare:
+            _Cycle(spare.pop())  # freed by the collection about to run, inside some allocation
+
+    def allocate() -> None:
+        keep = [pin(PAGE) for _ in range(200)]
+        done.append(len(keep))
+
+    old = gc.get_threshold()
+    gc.callbacks.append(make_garbage)
+    gc.set_threshold(1, 1, 1)
+    try:
+        worker = threading.Thread(target=allocate, daemon=True)
+        worker.start()
+        worker.join(30)
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(make_garbage)
+    assert not worker.is_alive(), "an allocation never returned: a finalizer blocked its thread"
+    assert done == [200] and pin.registered == 2200 and pin.failures == 0
+    spare.clear()
+    gc.collect()
+    _settle(pin)
+    assert drv.ranges == {} and pin.unregister_failures == 0  # the ones kept went with their thread

@@ -12,11 +12,11 @@ manager for a running server).
 
 **A save** (:meth:`PoolTierIO.read_payloads`) gathers everything it writes (the KV blocks, the
 state, the tail KV) into one contiguous tensor on the device, launches the checksums of all its
-objects over that tensor (:mod:`sglang_k3.kernels.tier`, one kernel), and enqueues one copy per
-object into the objects' payloads; it returns at once, with a callable that waits for the copies
-and gives the checksums (the tier manager's writer thread calls it, so the scheduler's thread
-never waits for the link). The copies are stream-ordered after the gather, so the device memory
-may be freed and reused as soon as the call returns. **A load** (:meth:`PoolTierIO.load_payloads`)
+objects over that tensor (:mod:`sglang_k3.kernels.tier`, one kernel) and enqueues one copy per
+object into the objects' payloads; it returns at once, with a
+:data:`~sglang_k3.tiers.ports.PendingRead` that the tier writer's thread waits on (so the
+scheduler's thread never waits for the link). The copies are stream-ordered after the gather, so
+the device memory may be freed and reused as soon as the call returns. **A load** (:meth:`PoolTierIO.load_payloads`)
 copies the objects' payloads up into one tensor, checks every checksum on the device, and only
 then writes the KV and the state into the pools, one wait for all of it.
 
@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import queue
+import threading
 import warnings
 import weakref
 from typing import Optional, Sequence
@@ -79,6 +81,53 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+class _PinThread:
+    """One daemon thread that runs the pinning calls in order (:class:`PinnedHostMemory`).
+
+    Jobs are handed over through a :class:`queue.SimpleQueue`, whose ``put`` is reentrant: a
+    buffer's finalizer posts its unregistration, and a finalizer can run inside any allocation
+    (the cyclic garbage collector runs there), including one made while a job is being handed
+    over. A ``ThreadPoolExecutor`` took its own lock in ``submit`` and allocated under it, so a
+    collection there whose finalizer submitted again deadlocked the thread: seen on an H100, the
+    saving thread stopped for good inside ``submit`` (``benchmarks/GPU_NOTES.md``, fifteenth
+    session). After the thread is gone (interpreter exit) calls run on the caller."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="k3-host-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args, reply = self._q.get()
+            try:
+                out = fn(*args)
+            except BaseException as e:  # handed back to the caller
+                out = e
+            if reply is not None:
+                reply[0].append(out)
+                reply[1].set()
+
+    def call(self, fn, *args):
+        """``fn(*args)`` on the pin thread; its result (or its exception, raised here)."""
+        if not self._thread.is_alive():
+            return fn(*args)
+        reply: tuple = ([], threading.Event())
+        self._q.put((fn, args, reply))
+        reply[1].wait()
+        out = reply[0][0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def post(self, fn) -> None:
+        """Run ``fn()`` on the pin thread, not waited for; safe inside a finalizer."""
+        if self._thread.is_alive():
+            self._q.put((fn, (), None))
+        else:
+            fn()
+
+
 # cudaErrorHostMemoryAlreadyRegistered: part of the range is page-locked already
 HOST_MEMORY_ALREADY_REGISTERED = 712
 
@@ -111,10 +160,8 @@ class PinnedHostMemory:
     ATTEMPTS = 3  # mappings tried for one buffer while the driver reports their range registered
 
     def __init__(self, runtime=None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self._rt = runtime if runtime is not None else torch.cuda.cudart()
-        self._pin = ThreadPoolExecutor(1, thread_name_prefix="k3-host-pin")
+        self._pin = _PinThread()
         self.registered = 0
         self.failures = 0
         self.stale_ranges = 0
@@ -122,10 +169,7 @@ class PinnedHostMemory:
         self.held: list[mmap.mmap] = []  # mappings never unmapped: the driver may hold their range
 
     def _call(self, fn, *args) -> int:
-        try:
-            return int(self._pin.submit(fn, *args).result())
-        except RuntimeError:  # the executor is shut down (interpreter exit): no other thread runs CUDA now
-            return int(fn(*args))
+        return int(self._pin.call(fn, *args))
 
     def __call__(self, n: int) -> np.ndarray:
         if n == 0:
@@ -162,18 +206,16 @@ class PinnedHostMemory:
         return np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8, count=n)
 
     def _unpin(self, ptr: int, region: mmap.mmap) -> None:
-        """The buffer at ``ptr`` is gone: unregister it on the pin thread, then let its mapping go
-        (the closure holds it until then), or keep the mapping if the driver refused."""
+        """The buffer at ``ptr`` is gone (a finalizer: it may run inside any allocation of any
+        thread, the garbage collector's doing): unregister it on the pin thread, then let its
+        mapping go (the closure holds it until then), or keep the mapping if the driver refused."""
 
         def run() -> None:
             if int(self._rt.cudaHostUnregister(ptr)) != 0:
                 self.unregister_failures += 1
                 self.held.append(region)
 
-        try:
-            self._pin.submit(run)
-        except RuntimeError:  # interpreter exit
-            run()
+        self._pin.post(run)
 
 
 def host_buffers_for(device: torch.device):
@@ -237,10 +279,11 @@ class PoolTierIO:
         return idx.pin_memory().to(self.device, non_blocking=True)
 
     def read_payloads(self, parts: Sequence[tuple], outs: Sequence):
-        """Copy the bytes of ``parts`` off the device into ``outs``, consecutive pieces of them,
-        one tier object's payload each. ``parts``, in byte order: ``("kv", token indices)`` (KV,
-        token-major) and ``("state", handle)`` (a checkpoint's parts). Returns a callable that
-        waits until the bytes are in ``outs`` and gives each piece's ``k3sum64``."""
+        """Gather the bytes of ``parts`` on the device for ``outs``, consecutive pieces of them,
+        one tier object's payload each, and launch their checksums. ``parts``, in byte order:
+        ``("kv", token indices)`` (KV, token-major) and ``("state", handle)`` (a checkpoint's
+        parts), and start the copies down into ``outs``. Returns the
+        :data:`~sglang_k3.tiers.ports.PendingRead` (on CPU the copies are done already)."""
         kv_parts = [np.asarray(x, dtype=np.int64) for kind, x in parts if kind == "kv"]
         rows = np.concatenate(kv_parts) if kv_parts else np.zeros(0, dtype=np.int64)
         kv = torch.empty(0, dtype=torch.uint8, device=self.device)
