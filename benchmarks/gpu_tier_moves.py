@@ -26,6 +26,9 @@ moved device -> host -> device:
   landed (one batch's planning overlaps the last one's copies). The writer sections run with the
   server's write-queue bound (``--write-queue-mib``): a save past it is dropped and counted
   (``saves_dropped``), and rates are over the bytes that landed;
+* ``writer_batch_by_group_mib``: ``shipped_writer_batch`` again with other group sizes than the
+  shipped ``TierManager.READ_GROUP_BYTES`` (``--group-sweep``): what the size trades, the
+  caller's launches against the link's overlap with planning;
 * ``pinned_batch``: the same bytes gathered into one pinned host buffer with non-blocking copies
   and one synchronisation per direction (what a batched tier IO would do);
 * the link itself: one 256 MiB pinned copy each way, the reference every fraction is taken of.
@@ -138,6 +141,12 @@ def main() -> int:
         type=int,
         default=K3Config.tier_write_queue_mib,
         help="the writer's bound on bytes in flight (default: the server's, --k3-tier-write-queue-mib)",
+    )
+    ap.add_argument(
+        "--group-sweep",
+        default="8,16,64,256",
+        help="comma-separated group sizes (MiB) to run the one-batch writer section at besides the "
+        "shipped TierManager.READ_GROUP_BYTES ('' for none)",
     )
     ap.add_argument(
         "--profile",
@@ -311,6 +320,34 @@ def main() -> int:
         "landed_bytes": moved,
         "landed_gbps": moved / sustained[-1] / 1e9,
     }
+
+    # the one-batch section at other group sizes than the shipped one (TierManager.READ_GROUP_BYTES):
+    # what the size trades, the caller's planning against the link, measured beside the default
+    sweep = {}
+    for mib in [int(x) for x in args.group_sweep.split(",") if x.strip()]:
+        g_store = HostStore(4 * total, alloc=host_buffers_for(dev))
+        g_mgr = TierManager([g_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=queue)
+        g_mgr.READ_GROUP_BYTES = mib << 20
+        callers, landed = [], []
+        for _ in range(args.reps + 1):  # the first fills fresh memory: not counted
+            g_store.clear()
+            if pin:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            g_mgr.save_many(batch)
+            callers.append(time.perf_counter() - t0)
+            assert g_mgr.wait_writes(120)
+            landed.append(time.perf_counter() - t0)
+        moved = g_mgr.counters.saves / (args.reps + 1) * boundary_bytes
+        t_landed = statistics.median(landed[1:])
+        sweep[str(mib)] = {
+            "caller_s": statistics.median(callers[1:]),
+            "landed_s": t_landed,
+            "saves_dropped": g_mgr.counters.save_dropped,
+            "landed_fraction_of_link": moved / t_landed / 1e9 / res["link_gbps"]["d2h_pinned"],
+        }
+    res["shipped_writer_batch"]["read_group_bytes"] = getattr(TierManager, "READ_GROUP_BYTES", None)
+    res["writer_batch_by_group_mib"] = sweep
 
     # pinned batch: every part into one pinned buffer, non-blocking, one sync per direction
     parts = [p for s in slots for p in pool.slot_parts(s)]

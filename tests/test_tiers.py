@@ -11,7 +11,7 @@ import pytest
 import torch
 from tier_pools import Pools
 
-from sglang_k3.tiers import codec, manager
+from sglang_k3.tiers import codec
 from sglang_k3.tiers.host_store import HostStore
 from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, block_hashes, boundary_key, boundary_keys, kv_block_key
 from sglang_k3.tiers.manager import TierManager
@@ -201,7 +201,7 @@ def test_a_batch_of_saves_reads_shared_blocks_once_and_each_boundary_restores(
     path share their blocks, which are read and put once; each boundary then restores byte for
     byte, as it would have after saves one at a time. Read in one group, or one group per boundary
     (each group's read starts while the next is planned)."""
-    monkeypatch.setattr(manager, "_READ_GROUP_BYTES", read_group_bytes)
+    monkeypatch.setattr(TierManager, "READ_GROUP_BYTES", read_group_bytes)
     p = Pools(SEED, ckpt_slots=16)
     host = HostStore(1 << 24)
     mgr = TierManager([host], NS, p.io, block=B, write_queue_bytes=write_queue_bytes)
@@ -485,6 +485,134 @@ def test_a_batch_counts_its_own_bytes_against_the_write_queue():
     assert mgr.wait_writes()
     assert [mgr.holds(t, 250) for t, _ in paths] == [True, False, False]
     assert mgr.save_many(batch[1:2]) == [True] and mgr.wait_writes() and mgr.holds(paths[1][0], 250)
+
+
+class _GatedIO:
+    """The real pool IO whose reads land only when the test opens their gate: the link made
+    deterministic, so a test can look at the writer between one group's landing and the next's.
+    ``fail``: the groups whose copies fail (a broken device): their wait raises."""
+
+    def __init__(self, io, fail=()) -> None:
+        import threading
+
+        self.io, self.fail = io, set(fail)
+        self.kv_token_bytes, self.state_bytes, self.layout = io.kv_token_bytes, io.state_bytes, io.layout
+        self.gates: list = []
+        self._event = threading.Event
+
+    def read_payloads(self, parts, outs):
+        inner, n, gate = self.io.read_payloads(parts, outs), len(self.gates), self._event()
+        failed = n in self.fail
+
+        def wait():
+            assert gate.wait(30), "the test never opened the gate"
+            if failed:
+                raise RuntimeError("the copies failed")
+            return inner()
+
+        self.gates.append(gate)
+        return wait
+
+    def load_payloads(self, *args):
+        return self.io.load_payloads(*args)
+
+
+def _wait_for(cond, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.perf_counter() + timeout
+    while not cond() and time.perf_counter() < deadline:
+        time.sleep(0.002)
+    return cond()
+
+
+def test_the_writer_puts_each_group_when_it_lands_in_order():
+    """A batch goes to the writer group by group: a group is put as soon as it lands while the
+    later ones are still in flight (its boundary is found below, theirs are not), and groups are
+    put oldest first: a later group that landed waits for an earlier one."""
+    p = Pools(SEED, ckpt_slots=16)
+    io = _GatedIO(p.io)
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, io, block=B, write_queue_bytes=1 << 24)
+    mgr.READ_GROUP_BYTES = 1  # one group per boundary
+    paths = [(_tokens(300, seed=s), p.fresh_kv(300)) for s in (21, 22, 23)]
+    batch = [(t, k, 250, p.checkpoint(i), 0) for i, (t, k) in enumerate(paths)]
+    assert mgr.save_many(batch) == [True, True, True] and len(io.gates) == 3
+    assert [mgr.writer.writing(b) for b in _bkeys(batch)] == [True, True, True]
+    io.gates[2].set()  # the last lands first: not put before the ones handed over earlier
+    io.gates[0].set()
+    assert _wait_for(lambda: mgr.holds(paths[0][0], 250) and not mgr.writer.writing(_bkeys(batch)[0]))
+    request = paths[0][0][:250] + _tokens(10, seed=9)
+    assert mgr.find(request, 0, len(request) - 1, 0).pos == 250
+    assert [mgr.writer.writing(b) for b in _bkeys(batch)[1:]] == [True, True]
+    later = paths[2][0][:250] + _tokens(10, seed=9)
+    assert mgr.find(later, 0, len(later) - 1, 0) is None  # landed, but behind group 1
+    io.gates[1].set()
+    assert mgr.wait_writes()
+    assert mgr.counters.saves == 3 and all(mgr.holds(t, 250) for t, _ in paths)
+    for t, k, pos, _, _ in batch:
+        q = t[:pos] + _tokens(10, seed=9)
+        plan = mgr.find(q, 0, len(q) - 1, 0)
+        new_kv = p.fresh_kv(pos)
+        (h,) = p.pool.alloc(1)
+        assert mgr.load(plan, new_kv, h) is not None
+        assert all(torch.equal(layer[new_kv], layer[k[:pos]]) for layer in p.kv)
+
+
+def test_a_group_whose_copies_fail_is_counted_and_released_and_the_others_land():
+    p = Pools(SEED, ckpt_slots=16)
+    io = _GatedIO(p.io, fail={1})
+    host = HostStore(1 << 24)
+    mgr = TierManager([host], NS, io, block=B, write_queue_bytes=1 << 24)
+    mgr.READ_GROUP_BYTES = 1
+    paths = [(_tokens(300, seed=s), p.fresh_kv(300)) for s in (31, 32, 33)]
+    batch = [(t, k, 250, p.checkpoint(i), 0) for i, (t, k) in enumerate(paths)]
+    assert mgr.save_many(batch) == [True, True, True]  # the caller never waits to see it fail
+    for g in io.gates:
+        g.set()
+    assert mgr.wait_writes()
+    assert [mgr.holds(t, 250) for t, _ in paths] == [True, False, True]
+    assert mgr.counters.saves == 2 and mgr.counters.save_failures == 1
+    assert mgr.save_many(batch[1:2]) == [True]  # what failed can be saved again
+    io.gates[-1].set()
+    assert mgr.wait_writes() and mgr.holds(paths[1][0], 250)
+
+
+def test_a_lookup_hashes_blocks_in_windows_and_finds_what_a_whole_prompt_lookup_finds():
+    """``find`` hashes and asks about the KV blocks past the device's in windows that double while
+    every block was found. Differential: over seeded paths whose saved blocks have gaps (objects
+    dropped from the host tier) and random device extents, floors and caps, every window size
+    gives the plan of a lookup that hashes the whole prompt at once."""
+    rng = random.Random(SEED)
+    p = Pools(SEED, kv_slots=4096, ckpt_slots=16)
+    host = HostStore(1 << 26)
+    mgr = TierManager([host], NS, p.io, block=B)
+    toks = _tokens(2200, seed=41)
+    kv = p.fresh_kv(len(toks))
+    for pos in sorted(rng.sample(range(1, 2150), 12)):
+        mgr.save(toks, kv, pos, p.checkpoint(rng.randrange(4)), kind=4)
+    block_keys = [kv_block_key(NS, h) for h in block_hashes(toks, len(toks), B)]
+    for k in rng.sample(range(len(block_keys)), 6):
+        host.remove(block_keys[k])  # gaps: a boundary past one is incomplete below
+
+    def plan(window: int, request, floor, cap, device_kv):
+        mgr.LOOKUP_BLOCKS = window
+        pl = mgr.find(request, floor, cap, device_kv)
+        return None if pl is None else (pl.pos, pl.key, pl.kv_from, [(j, k) for j, k, _ in pl.blocks])
+
+    found = 0
+    for _ in range(60):
+        request = toks[: rng.randrange(2, len(toks))] + _tokens(5, seed=rng.randrange(99))
+        cap = rng.randrange(1, len(request))
+        device_kv, floor = rng.randrange(0, cap + 1), rng.randrange(0, cap)
+        whole = plan(10**9, request, floor, cap, device_kv)
+        found += whole is not None
+        assert all(plan(w, request, floor, cap, device_kv) == whole for w in (1, 2, 32))
+    assert found >= 20  # the differential compares plans, not only misses
+
+
+def _bkeys(batch) -> list[str]:
+    return [boundary_key(NS, t, pos, block_hashes(t, pos, B), B) for t, _, pos, _, _ in batch]
 
 
 def _two_instances(l3):

@@ -60,13 +60,27 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def block_hashes(tokens: Sequence[int], upto: int, block: int = BLOCK_TOKENS) -> list[bytes]:
-    """Chained hashes of the whole blocks of ``tokens[:upto]``: entry k covers ``[0, (k+1)*block)``."""
-    out: list[bytes] = []
-    prev = b""
-    for k in range(min(upto, len(tokens)) // block):
-        prev = hashlib.sha256(prev + _token_bytes(tokens[k * block : (k + 1) * block])).digest()
-        out.append(prev)
-    return out
+    """Chained hashes of the whole blocks of ``tokens[:upto]``: entry k covers ``[0, (k+1)*block)``
+    (``sha256(hash k-1 + block k's tokens as int64)``)."""
+    return extend_block_hashes(tokens, [], upto, block)
+
+
+def extend_block_hashes(
+    tokens: Sequence[int], hashes: list[bytes], upto: int, block: int = BLOCK_TOKENS
+) -> list[bytes]:
+    """:func:`block_hashes` of ``tokens[:upto]``, given the first ``len(hashes)`` of them (appended
+    to ``hashes``, which is returned). The new blocks' tokens are converted once, not once per
+    block."""
+    k0, n = len(hashes), min(upto, len(tokens)) // block
+    raw = memoryview(_token_bytes(tokens[k0 * block : n * block]))
+    step = 8 * block  # 8 bytes a token (array "q")
+    prev = hashes[-1] if hashes else b""
+    for k in range(n - k0):
+        h = hashlib.sha256(prev)
+        h.update(raw[k * step : (k + 1) * step])
+        prev = h.digest()
+        hashes.append(prev)
+    return hashes
 
 
 def kv_block_key(ns: Namespace, chained: bytes) -> str:

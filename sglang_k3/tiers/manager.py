@@ -20,16 +20,17 @@ device eviction (sglang#33713: here the eviction itself saves them), a host hit 
 state (#39830: key, layout and checksum are checked), and prefixes reported as hits that cannot
 restore (#39147: a hit is reported only after the state and all the KV loaded).
 
-**Writes leave the scheduler's thread.** A save has the IO start copying the boundary's bytes off
-the device into its new objects and compute their checksums on the device
-(:meth:`~sglang_k3.tiers.ports.TierIO.read_payloads`: one gather, one checksum kernel, one copy per
-object, nothing waited for; the device data may be freed at once). With ``write_queue_bytes`` over 0
-(the server's default) one writer thread waits for those bytes to land, seals the objects with the
-checksums and puts them into the tiers, blocks first, the boundary object last; with 0 the save does
-that before it returns. A boundary is found by :meth:`TierManager.find` only once its object is in a
-store, so a boundary whose write has not landed is never matched from a lower tier. A save never
-waits: when the writes in flight already hold ``write_queue_bytes``, it is dropped and counted
-(``tier_save_dropped``); the device's copy was going anyway. A load copies every part up and
+**Writes leave the scheduler's thread.** A save has the IO gather the boundary's bytes on the
+device and start their checksums there (:meth:`~sglang_k3.tiers.ports.TierIO.read_payloads`: one
+gather, one checksum kernel and the copies per group of boundaries, nothing waited for; the device
+data may be freed at once). With ``write_queue_bytes`` over 0 (the server's default) each group goes
+to the writer thread (:mod:`sglang_k3.tiers.writer`), which waits for its bytes to land, seals the
+objects with the checksums and puts them into the tiers, blocks first, the boundary object last;
+with 0 the save does that before it returns. A boundary is found by
+:meth:`TierManager.find` only once its object is in a store, so a boundary whose write has not
+landed is never matched from a lower tier. A save never waits: when the writes in flight already
+hold ``write_queue_bytes``, it is dropped and counted (``tier_save_dropped``); the device's copy
+was going anyway. A load copies every part up and
 verifies its checksum on the device before it writes a byte
 (:meth:`~sglang_k3.tiers.ports.TierIO.load_payloads`).
 
@@ -43,7 +44,6 @@ copied or read on the host besides the device move.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -52,21 +52,23 @@ import numpy as np
 
 from sglang_k3.tiers import codec
 from sglang_k3.tiers.copy_up import CopyUp
-from sglang_k3.tiers.keys import BLOCK_TOKENS, Namespace, block_hashes, boundary_key, boundary_keys, kv_block_key
+from sglang_k3.tiers.keys import (
+    BLOCK_TOKENS,
+    Namespace,
+    block_hashes,
+    boundary_key,
+    boundary_keys,
+    extend_block_hashes,
+    kv_block_key,
+)
 from sglang_k3.tiers.ports import TierCounters, TierIO, TierStore
+from sglang_k3.tiers.writer import SaveJob, TierWriter
 
 logger = logging.getLogger(__name__)
 
 # Boundary positions a lookup keys and asks the stores about at a time, deepest first: a block
 # holds up to BLOCK_TOKENS of them, and the deepest is usually the one found.
 _LOOKUP_POSITIONS = 64
-# A batch of saves starts its read off the device each time this much is planned: the gather's
-# device staging is bounded by it, and the link moves one group while the host plans the next.
-# Not smaller: a group's launches cost about 0.6 ms of host time on an H100 host (the gather, the
-# checksum kernel, the copies, the events), and 16 MiB groups (0.3 ms of link each) made a batch of
-# eight 2k-token boundaries land later than one group did (benchmarks/GPU_NOTES.md).
-_READ_GROUP_BYTES = 256 << 20
-
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 
 
@@ -82,25 +84,17 @@ class TierPlan:
     blocks: list = field(default_factory=list)
 
 
-@dataclass
-class _SaveJob:
-    """One boundary's part of a batch of saves: what to put where, and what the IO reads."""
-
-    todo: list  # (store, missing block indices)
-    keys: list  # block keys of the path
-    blanks: dict  # block index -> the new block object this save reads
-    bkey: str
-    tail: codec.Blank  # the boundary object
-    pos: int
-    nb: int  # whole blocks below pos
-    kind: int
-    held: bool  # some tier held the boundary already
-    nbytes: int
-    parts: list  # the IO's parts, in payload order
-    outs: list  # the payloads they fill
-
-
 class TierManager:
+    # A batch of saves starts a group's read off the device (gather, checksums, copies) and hands
+    # it to the writer each time this much is planned; the gather's device staging is bounded by
+    # it. Not smaller: a group's launches cost the caller about 0.6 ms of host time, and smaller
+    # groups made a batch of eight 2k-token boundaries land later than one group did on H100s (16
+    # MiB: seventh session; 32 MiB: 0.40 of the link against 0.46, fifteenth; benchmarks/GPU_NOTES.md).
+    READ_GROUP_BYTES = 256 << 20
+    # A lookup asks the tiers about this many KV blocks past the device's first, then twice as
+    # many past those while all were found, and so on (:meth:`_find`).
+    LOOKUP_BLOCKS = 32
+
     def __init__(
         self,
         stores: Sequence[TierStore],
@@ -126,11 +120,7 @@ class TierManager:
         self.hit_tokens_by_tier = {s.name: 0 for s in self.stores}
         # a waiting request's boundary that lies in a lower tier is copied into the host tier
         self.copy_up = CopyUp(self.stores, self.counters, self._find)
-        self.write_queue_bytes = write_queue_bytes
-        self._writer = None
-        self._writing: dict[str, int] = {}  # boundary key -> bytes, while its write is queued or running
-        self._writing_bytes = 0
-        self._write_lock = threading.Lock()
+        self.writer = TierWriter(self.counters, block, write_queue_bytes)
 
     # ------------------------------------------------------------------ save
     def save(self, tokens: Sequence[int], kv: Sequence[int], pos: int, handle: int, kind: int = 0) -> bool:
@@ -142,77 +132,70 @@ class TierManager:
 
     def save_many(self, boundaries: Sequence[tuple]) -> list[bool]:
         """:meth:`save` of each ``(tokens, kv, pos, handle, kind)``, as one write job: what an
-        eviction that demotes several boundaries hands over at once. The reads off the device go
-        in groups of at least ``_READ_GROUP_BYTES`` (one gather, one checksum launch and the copies
-        per group), each started as soon as it is planned."""
+        eviction that demotes several boundaries hands over at once. Boundaries are planned in
+        groups of about ``READ_GROUP_BYTES``; each group's read off the device starts as soon as
+        it is planned, and the group goes to the writer (:mod:`sglang_k3.tiers.writer`), which
+        puts it below once it has landed."""
         for tokens, kv, pos, _, _ in boundaries:
             if pos <= 0 or len(kv) < pos or len(tokens) < pos:
                 raise ValueError(f"boundary {pos} needs {pos} tokens and KV indices")
         t0 = time.perf_counter()
+        w = self.writer
         results: list = []
-        jobs: list[_SaveJob] = []
-        landings: list = []
+        groups: list = []  # (jobs, pending read), inline writes only
+        stream = None
         try:
             planned: set[str] = set()  # block keys an earlier boundary of this batch reads
-            batch_bytes = group_bytes = 0
-            group: list[_SaveJob] = []
+            group: list[SaveJob] = []
+            group_bytes = 0  # planned, not handed over yet: counted against the queue
             for i, (tokens, kv, pos, handle, kind) in enumerate(boundaries):
-                job = self._plan_save(tokens, kv, pos, handle, int(kind), planned, batch_bytes)
+                job = self._plan_save(tokens, kv, pos, handle, int(kind), planned, group_bytes)
                 results.append(job)
-                if isinstance(job, _SaveJob):
-                    jobs.append(job)
+                if isinstance(job, SaveJob):
                     group.append(job)
-                    batch_bytes += job.nbytes
                     group_bytes += job.nbytes
-                if group and (group_bytes >= _READ_GROUP_BYTES or i == len(boundaries) - 1):
-                    parts = [p for j in group for p in j.parts]
-                    landings.append(self.io.read_payloads(parts, [o for j in group for o in j.outs]))
+                if group and (group_bytes >= self.READ_GROUP_BYTES or i == len(boundaries) - 1):
+                    parts, outs = [p for j in group for p in j.parts], [o for j in group for o in j.outs]
+                    read = self.io.read_payloads(parts, outs)
+                    if w.queued:
+                        if stream is None:
+                            stream = w.open()
+                        stream.hand_over(group, read)
+                    else:
+                        groups.append((group, read))
                     group, group_bytes = [], 0
         except BaseException:
-            for wait in landings:  # copies in flight write into the new objects: let them land first
-                wait()
+            for _, read in groups:  # copies in flight write into the new objects: let them land first
+                read()
             raise
         finally:
+            if stream is not None:
+                stream.close()
             self.counters.save_seconds += time.perf_counter() - t0
-
-        def landing() -> list[int]:
-            return [c for wait in landings for c in wait()]
-
-        if not jobs:
-            return results
-        if not self.write_queue_bytes:
-            wrote = iter(self._write(jobs, landing))
-            out = []
-            for r in results:
-                if isinstance(r, _SaveJob):
-                    w = next(wrote)
-                    if not w and r.held:
-                        self.counters.save_skips += 1
-                    r = w or r.held
-                out.append(r)
-            return out
-        with self._write_lock:
-            for j in jobs:
-                self._writing[j.bkey] = j.nbytes
-                self._writing_bytes += j.nbytes
-        if self._writer is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
-        self.counters.writes_queued += len(jobs)
-        self._writer.submit(self._write, jobs, landing)
-        return [True if isinstance(r, _SaveJob) else r for r in results]
+        if w.queued or not groups:
+            return [True if isinstance(r, SaveJob) else r for r in results]
+        wrote = iter(w.write_now(groups))
+        out = []
+        for r in results:
+            if isinstance(r, SaveJob):
+                ok = next(wrote)
+                if not ok and r.held:
+                    self.counters.save_skips += 1
+                r = ok or r.held
+            out.append(r)
+        return out
 
     def _plan_save(self, tokens, kv, pos: int, handle: int, kind: int, planned: set, batch_bytes: int):
         """What a save of one boundary reads: the objects each tier lacks (the missing blocks,
         less those an earlier boundary of the batch reads, and the boundary object: its state and
         the KV past the last whole block), as the IO's parts and new objects' payloads. A bool
         when no write follows (True: some tier holds the boundary or its write is in flight; else
-        whether one holds it though the queue was full)."""
+        whether one holds it though the queue was full). ``batch_bytes``: planned before it in
+        this batch and not handed to the writer yet."""
         B = self.block
         hashes = block_hashes(tokens, pos, B)
         bkey = boundary_key(self.ns, tokens, pos, hashes, B)
-        if bkey in self._writing:  # a write of this boundary is in flight already
+        if self.writer.writing(bkey):  # a write of this boundary is in flight already
             self.counters.save_skips += 1
             return True
         keys = [kv_block_key(self.ns, h) for h in hashes]
@@ -228,7 +211,7 @@ class TierManager:
         need = sorted({k for _, missing in todo for k in missing if keys[k] not in planned})
         nb, tb = len(hashes), self.io.kv_token_bytes
         nbytes = (len(need) * B + pos - nb * B) * tb + self.io.state_bytes
-        if self.write_queue_bytes and self._writing_bytes + batch_bytes + nbytes > self.write_queue_bytes:
+        if self.writer.queued and not self.writer.fits(batch_bytes + nbytes):
             self.counters.save_dropped += 1  # never wait for the writer: this copy is not kept below
             return held
         planned.update(keys[k] for k in need)
@@ -237,60 +220,17 @@ class TierManager:
         rows = np.asarray(kv[:pos], dtype=np.int64)  # one conversion, then whole blocks by index
         parts = [("kv", rows[: nb * B].reshape(nb, B)[need].reshape(-1)), ("state", handle), ("kv", rows[nb * B :])]
         outs = [blanks[k].payload for k in need] + [tail.payload]
-        return _SaveJob(todo, keys, blanks, bkey, tail, pos, nb, kind, held, nbytes, parts, outs)
-
-    def _write(self, jobs: list, landing) -> list[bool]:
-        """Wait for the bytes a batch of saves read, seal the objects with the checksums the IO
-        computed and put each boundary into every tier in its ``todo``, blocks first, the
-        boundary object last (in the writer thread, or inline when writes are synchronous)."""
-        t0 = time.perf_counter()
-        B, c = self.block, self.counters
-        wrote = [False] * len(jobs)
-        sealed: dict[str, codec.Buffer] = {}  # block objects by key, across the batch
-        put: set[tuple[str, str]] = set()  # (store, block key) put by this batch
-        try:
-            checks = iter(landing())
-            for i, j in enumerate(jobs):
-                for k, b in j.blanks.items():
-                    sealed[j.keys[k]] = codec.seal(b, j.keys[k], codec.KV_BLOCK, (k + 1) * B, B, check=next(checks))
-                blob = codec.seal(j.tail, j.bkey, codec.BOUNDARY, j.pos, j.pos - j.nb * B, j.kind, check=next(checks))
-                for store, missing in j.todo:
-                    ok = True
-                    for k in missing:
-                        if (store.name, j.keys[k]) in put:  # an earlier boundary of the batch put it
-                            continue
-                        if not store.put(j.keys[k], sealed[j.keys[k]]):
-                            ok = False
-                            break
-                        put.add((store.name, j.keys[k]))
-                        c.saved_kv_blocks += 1
-                    if ok and store.put(j.bkey, blob):
-                        wrote[i] = True
-                    else:
-                        c.save_failures += 1
-                c.saves += wrote[i]
-        except Exception:
-            c.save_failures += 1
-            logger.exception("k3 tier: writing %d boundaries failed; what was not put is not kept below", len(jobs))
-        finally:
-            c.write_seconds += time.perf_counter() - t0
-            with self._write_lock:
-                for j in jobs:
-                    self._writing_bytes -= self._writing.pop(j.bkey, 0)
-        return wrote
+        return SaveJob(todo, keys, blanks, bkey, tail, pos, nb, kind, held, nbytes, parts, outs)
 
     def wait_writes(self, timeout: float = 30.0) -> bool:
         """Block until no write is queued or running (tests, shutdown); False on timeout."""
-        deadline = time.perf_counter() + timeout
-        while self._writing and time.perf_counter() < deadline:
-            time.sleep(0.002)
-        return not self._writing
+        return self.writer.wait(timeout)
 
     def holds(self, tokens: Sequence[int], pos: int) -> bool:
         """Whether some tier holds the boundary object after ``pos`` tokens (its KV unchecked), or
         its write is in flight (not to be written twice; :meth:`find` does not see it yet)."""
         key = boundary_key(self.ns, tokens, pos, block_hashes(tokens, pos, self.block), self.block)
-        return key in self._writing or any(store.exists([key])[0] for store in self.stores)
+        return self.writer.writing(key) or any(store.exists([key])[0] for store in self.stores)
 
     # ------------------------------------------------------------------ find / load
     def find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
@@ -336,20 +276,31 @@ class TierManager:
 
     def _find(self, tokens: Sequence[int], floor: int, cap: int, device_kv: int) -> Optional[TierPlan]:
         B = self.block
-        hashes = block_hashes(tokens, cap, B)
+        n = min(cap, len(tokens)) // B
         first = min(device_kv, cap) // B  # the first block not wholly on the device
-        keys = [kv_block_key(self.ns, h) for h in hashes[first:]]
-        src: list[Optional[TierStore]] = [None] * len(keys)
-        for store in self.stores:
-            missing = [i for i, s in enumerate(src) if s is None]
-            if not missing:
-                break
-            for i, there in zip(missing, store.exists([keys[i] for i in missing])):
-                if there:
-                    src[i] = store
-        reach = first
-        while reach - first < len(src) and src[reach - first] is not None:
-            reach += 1
+        hashes = block_hashes(tokens, first * B, B)  # chained into every key past them
+        # The KV blocks past the device's, in windows that double, until one is missing from
+        # every tier: only blocks up to there are ever used, so a long prompt with little below
+        # is not hashed to its end (a 48k-token prompt was 2 ms of hashing at each admission).
+        keys: list[str] = []
+        src: list[Optional[TierStore]] = []
+        reach, window = first, self.LOOKUP_BLOCKS
+        while reach == first + len(src) and len(hashes) < n:
+            extend_block_hashes(tokens, hashes, min(n, len(hashes) + window) * B, B)
+            window *= 2
+            new = [kv_block_key(self.ns, h) for h in hashes[first + len(keys) :]]
+            found: list[Optional[TierStore]] = [None] * len(new)
+            for store in self.stores:
+                missing = [i for i, s in enumerate(found) if s is None]
+                if not missing:
+                    break
+                for i, there in zip(missing, store.exists([new[i] for i in missing])):
+                    if there:
+                        found[i] = store
+            keys += new
+            src += found
+            while reach - first < len(src) and src[reach - first] is not None:
+                reach += 1
         hi = min(cap, reach * B + B - 1)  # a boundary's own object holds its KV past the last block
         for k in range(hi // B, floor // B - 1, -1):
             window = [p for p in range(min(hi, k * B + B - 1), max(floor, k * B - 1), -1) if p > 0]

@@ -27,16 +27,22 @@ class TierStore(Protocol):
     def stats(self) -> dict[str, int]: ...
 
 
+# A read off the device into new objects' payloads (:meth:`TierIO.read_payloads`), its copies
+# down running: calling it waits until the bytes are in the payloads and gives each payload's
+# checksum (``k3sum64``), in order.
+PendingRead = Callable[[], list[int]]
+
+
 class TierIO(Protocol):
     kv_token_bytes: int  # MLA KV of one token, every MLA layer
     state_bytes: int  # one checkpoint (every KDA layer, its own dtype)
     layout: str  # what the bytes mean, for the key's namespace
 
-    def read_payloads(self, parts: Sequence[tuple], outs: Sequence[memoryview]) -> Callable[[], list[int]]:
-        """Start copying the bytes of ``parts`` (in order: ``("kv", token indices)``, token-major
-        KV, and ``("state", handle)``) into ``outs``, consecutive pieces of those bytes (one
-        object's payload each). The device data may be freed once this returns. The callable
-        waits until the bytes are in ``outs`` and gives each piece's checksum (``k3sum64``)."""
+    def read_payloads(self, parts: Sequence[tuple], outs: Sequence[memoryview]) -> PendingRead:
+        """Gather the bytes of ``parts`` (in order: ``("kv", token indices)``, token-major KV, and
+        ``("state", handle)``) for ``outs``, consecutive pieces of those bytes (one object's
+        payload each), start their checksums and the copies into ``outs``, and return at once. The
+        device data may be freed once this returns."""
 
     def load_payloads(
         self,
