@@ -256,9 +256,13 @@ def main() -> int:
     queue = args.write_queue_mib << 20
     boundary_bytes = moved_bytes / n
     res["write_queue_bytes"] = queue
-    for name, one_call in (("shipped_writer", False), ("shipped_writer_batch", True)):
+
+    def writer_section(one_call: bool, read_group_bytes: int = TierManager.READ_GROUP_BYTES) -> dict:
+        """The saves of ``batch`` with the writer thread at the server's queue bound, one call per
+        boundary or all in one call, ``reps`` times after one into fresh memory (not counted)."""
         w_store = HostStore(4 * total, alloc=host_buffers_for(dev))
         w_mgr = TierManager([w_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=queue)
+        w_mgr.READ_GROUP_BYTES = read_group_bytes
         callers, landed, saved = [], [], []
         for _ in range(args.reps + 1):  # the first fills fresh memory (see save_first_s): not counted
             w_store.clear()
@@ -280,7 +284,7 @@ def main() -> int:
             assert plan is None or plan.pos == len(toks[b])
         t_caller, t_landed = statistics.median(callers[1:]), statistics.median(landed[1:])
         moved = statistics.median(saved[1:]) * boundary_bytes
-        res[name] = {
+        return {
             "caller_s": t_caller,
             "landed_s": t_landed,
             "saves_dropped": w_mgr.counters.save_dropped,
@@ -289,6 +293,9 @@ def main() -> int:
             "landed_gbps": moved / t_landed / 1e9,
             "write_seconds_in_writer": w_mgr.counters.write_seconds,
         }
+
+    res["shipped_writer"] = writer_section(one_call=False)
+    res["shipped_writer_batch"] = writer_section(one_call=True)
 
     # sustained: several batches of new boundaries saved back to back (an eviction each), until
     # all landed: the planning of one batch overlaps the copies of the one before
@@ -323,30 +330,9 @@ def main() -> int:
 
     # the one-batch section at other group sizes than the shipped one (TierManager.READ_GROUP_BYTES):
     # what the size trades, the caller's planning against the link, measured beside the default
-    sweep = {}
-    for mib in [int(x) for x in args.group_sweep.split(",") if x.strip()]:
-        g_store = HostStore(4 * total, alloc=host_buffers_for(dev))
-        g_mgr = TierManager([g_store], Namespace("gpu", "gpu", io.layout), io, write_queue_bytes=queue)
-        g_mgr.READ_GROUP_BYTES = mib << 20
-        callers, landed = [], []
-        for _ in range(args.reps + 1):  # the first fills fresh memory: not counted
-            g_store.clear()
-            if pin:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            g_mgr.save_many(batch)
-            callers.append(time.perf_counter() - t0)
-            assert g_mgr.wait_writes(120)
-            landed.append(time.perf_counter() - t0)
-        moved = g_mgr.counters.saves / (args.reps + 1) * boundary_bytes
-        t_landed = statistics.median(landed[1:])
-        sweep[str(mib)] = {
-            "caller_s": statistics.median(callers[1:]),
-            "landed_s": t_landed,
-            "saves_dropped": g_mgr.counters.save_dropped,
-            "landed_fraction_of_link": moved / t_landed / 1e9 / res["link_gbps"]["d2h_pinned"],
-        }
-    res["shipped_writer_batch"]["read_group_bytes"] = getattr(TierManager, "READ_GROUP_BYTES", None)
+    sizes_mib = [m.strip() for m in args.group_sweep.split(",") if m.strip()]
+    sweep = {m: writer_section(True, int(m) << 20) for m in sizes_mib}
+    res["shipped_writer_batch"]["read_group_bytes"] = TierManager.READ_GROUP_BYTES
     res["writer_batch_by_group_mib"] = sweep
 
     # pinned batch: every part into one pinned buffer, non-blocking, one sync per direction
@@ -388,8 +374,7 @@ def main() -> int:
     for k in ("shipped", "pinned_batch"):
         res[k]["save_fraction_of_link"] = res[k]["save_gbps"] / link["d2h_pinned"]
         res[k]["load_fraction_of_link"] = res[k]["load_gbps"] / link["h2d_pinned"]
-    for k in ("shipped_writer", "shipped_writer_batch"):
-        w = res[k]
+    for w in (res["shipped_writer"], res["shipped_writer_batch"], *sweep.values()):
         w["caller_fraction_of_link"] = w["caller_gbps"] / link["d2h_pinned"]
         w["landed_fraction_of_link"] = w["landed_gbps"] / link["d2h_pinned"]
     w = res["shipped_writer_sustained"]

@@ -537,14 +537,15 @@ def test_the_writer_puts_each_group_when_it_lands_in_order():
     mgr.READ_GROUP_BYTES = 1  # one group per boundary
     paths = [(_tokens(300, seed=s), p.fresh_kv(300)) for s in (21, 22, 23)]
     batch = [(t, k, 250, p.checkpoint(i), 0) for i, (t, k) in enumerate(paths)]
+    bkeys = _bkeys(batch)
     assert mgr.save_many(batch) == [True, True, True] and len(io.gates) == 3
-    assert [mgr.writer.writing(b) for b in _bkeys(batch)] == [True, True, True]
+    assert [mgr.writer.writing(b) for b in bkeys] == [True, True, True]
     io.gates[2].set()  # the last lands first: not put before the ones handed over earlier
     io.gates[0].set()
-    assert _wait_for(lambda: mgr.holds(paths[0][0], 250) and not mgr.writer.writing(_bkeys(batch)[0]))
+    assert _wait_for(lambda: mgr.holds(paths[0][0], 250) and not mgr.writer.writing(bkeys[0]))
     request = paths[0][0][:250] + _tokens(10, seed=9)
     assert mgr.find(request, 0, len(request) - 1, 0).pos == 250
-    assert [mgr.writer.writing(b) for b in _bkeys(batch)[1:]] == [True, True]
+    assert [mgr.writer.writing(b) for b in bkeys[1:]] == [True, True]
     later = paths[2][0][:250] + _tokens(10, seed=9)
     assert mgr.find(later, 0, len(later) - 1, 0) is None  # landed, but behind group 1
     io.gates[1].set()

@@ -284,10 +284,10 @@ class TierManager:
         # is not hashed to its end (a 48k-token prompt was 2 ms of hashing at each admission).
         keys: list[str] = []
         src: list[Optional[TierStore]] = []
-        reach, window = first, self.LOOKUP_BLOCKS
+        reach, ask = first, self.LOOKUP_BLOCKS
         while reach == first + len(src) and len(hashes) < n:
-            extend_block_hashes(tokens, hashes, min(n, len(hashes) + window) * B, B)
-            window *= 2
+            extend_block_hashes(tokens, hashes, min(n, len(hashes) + ask) * B, B)
+            ask *= 2
             new = [kv_block_key(self.ns, h) for h in hashes[first + len(keys) :]]
             found: list[Optional[TierStore]] = [None] * len(new)
             for store in self.stores:

@@ -123,19 +123,21 @@ class TierWriter:
     def write_now(self, groups: list[tuple[list, PendingRead]]) -> list[bool]:
         """Wait for each group's bytes and put it, in order (no queue): per job, whether some tier
         took it. A group that fails is counted and the next ones still land and are put."""
+        batch = BatchPuts()
+        return [ok for jobs, read in groups for ok in self._put(jobs, read, batch)]
+
+    def _put(self, jobs: list, read: PendingRead, batch: BatchPuts) -> list[bool]:
+        """Wait for one group's bytes and :func:`seal_and_put` it; a failure (its copies, a tier)
+        is counted and logged, and what it had not put is not kept below."""
         t0 = time.perf_counter()
-        batch, wrote = BatchPuts(), []
         try:
-            for jobs, read in groups:
-                try:
-                    wrote += seal_and_put(jobs, read(), batch, self.block, self.counters)
-                except Exception:
-                    self.counters.save_failures += 1
-                    logger.exception("k3 tier: writing %d boundaries failed; they are not kept below", len(jobs))
-                    wrote += [False] * len(jobs)
+            return seal_and_put(jobs, read(), batch, self.block, self.counters)
+        except Exception:
+            self.counters.save_failures += 1
+            logger.exception("k3 tier: writing %d boundaries failed; they are not kept below", len(jobs))
+            return [False] * len(jobs)
         finally:
             self.counters.write_seconds += time.perf_counter() - t0
-        return wrote
 
     # ------------------------------------------------------------------ queued
     def open(self) -> "BatchStream":
@@ -163,24 +165,17 @@ class TierWriter:
             if not self._writing:
                 self._idle.notify_all()
 
-    def _put_group(self, jobs: list, read: PendingRead, batch: BatchPuts) -> None:
-        t0 = time.perf_counter()
-        try:
-            seal_and_put(jobs, read(), batch, self.block, self.counters)
-        except Exception:
-            self.counters.save_failures += 1
-            logger.exception("k3 tier: writing %d boundaries failed; they are not kept below", len(jobs))
-        finally:
-            self.counters.write_seconds += time.perf_counter() - t0
-            self._release(jobs)
-
     def _drain(self, stream: "BatchStream") -> None:
         """The writer thread's part of one batch: put each group once it has landed, in the order
-        handed over (the copies run already; waiting on the oldest releases the GIL). A group
-        whose copies failed is counted and released by :meth:`_put_group`."""
+        handed over (the copies run already; waiting on the oldest releases the GIL), and release
+        its boundaries, whatever became of it."""
         batch = BatchPuts()
         while (item := stream.q.get()) is not None:
-            self._put_group(*item, batch)
+            jobs, read = item
+            try:
+                self._put(jobs, read, batch)
+            finally:
+                self._release(jobs)
 
     def wait(self, timeout: float = 30.0) -> bool:
         """Block until no write is handed over or running; False on timeout."""
