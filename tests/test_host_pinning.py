@@ -174,3 +174,43 @@ def test_buffers_the_collector_frees_during_registrations_never_stop_the_allocat
     gc.collect()
     _settle(pin)
     assert drv.ranges == {} and pin.unregister_failures == 0  # the ones kept went with their thread
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time
+from sglang_k3.tiers.torch_io import PinnedHostMemory
+
+class SlowDriver:
+    # the runtime's calls take a while, as cudaHostUnregister does; each is reported when done
+    def cudaHostRegister(self, ptr, n, flags):
+        return 0
+    def cudaHostUnregister(self, ptr):
+        time.sleep(0.02)
+        sys.stdout.write("unregistered\\n")
+        sys.stdout.flush()
+        return 0
+
+pin = PinnedHostMemory(runtime=SlowDriver())
+kept = [pin(4096) for _ in range(%d)]  # alive until the interpreter exits
+print("allocated", flush=True)
+"""
+
+
+def test_buffers_alive_at_exit_are_all_unregistered_before_the_interpreter_finalizes():
+    """Buffers still alive when the process ends are unregistered by their finalizers, run at
+    exit. Each is handed to the pin thread; with a daemon thread that nobody waited for, the
+    interpreter finalized while the thread was inside such a call (on an H100: the process
+    aborted at exit, status 134, and on CPU most unregistrations never ran). The pin thread's
+    ``atexit`` hook runs what it was handed before it ends: every buffer is unregistered and the
+    process exits cleanly."""
+    import subprocess
+    import sys
+
+    n = 20
+    out = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT % n], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == "allocated"
+    assert lines.count("unregistered") == n, out.stdout

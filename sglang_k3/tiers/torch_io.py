@@ -28,6 +28,7 @@ the callable is called. ``benchmarks/GPU_NOTES.md`` has the rates on an H100 and
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import mmap
@@ -90,31 +91,67 @@ class _PinThread:
     over. A ``ThreadPoolExecutor`` took its own lock in ``submit`` and allocated under it, so a
     collection there whose finalizer submitted again deadlocked the thread: seen on an H100, the
     saving thread stopped for good inside ``submit`` (``benchmarks/GPU_NOTES.md``, fifteenth
-    session). After the thread is gone (interpreter exit) calls run on the caller."""
+    session).
+
+    **At interpreter exit** the thread runs what it was handed, then ends (:meth:`stop`, an
+    ``atexit`` hook), and later calls run on the caller. Buffers still alive at exit are
+    unregistered by their finalizers, which ``weakref.finalize`` runs from an ``atexit`` hook of
+    its own: before this one, they post here and are run before the thread ends; after it, they
+    run on the main thread. Before this hook, a daemon thread still inside such a call while the
+    interpreter finalized was ended mid-call: on an H100 both host-tier benchmark runs at 9fa71de
+    aborted at exit (``terminate called without an active exception``, status 134)."""
+
+    STOP_TIMEOUT_S = 30.0  # at exit, how long to wait for the unregistrations already handed over
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="k3-host-pin", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
 
     def _run(self) -> None:
-        while True:
-            fn, args, reply = self._q.get()
+        while (job := self._q.get()) is not None:
+            self._do(*job)
+        while True:  # handed over while the stop was being posted
             try:
-                out = fn(*args)
-            except BaseException as e:  # handed back to the caller
-                out = e
-            if reply is not None:
-                reply[0].append(out)
-                reply[1].set()
+                job = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._do(*job)
+
+    @staticmethod
+    def _do(fn, args, reply) -> None:
+        try:
+            out = fn(*args)
+        except BaseException as e:  # handed back to the caller
+            out = e
+        if reply is not None:
+            reply[0].append(out)
+            reply[1].set()
+
+    def stop(self) -> None:
+        """Run what was handed over, then end the thread; later calls run on the caller."""
+        if self._closing:
+            return
+        self._closing = True
+        self._q.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self.STOP_TIMEOUT_S)
+
+    def _live(self) -> bool:
+        return not self._closing and self._thread.is_alive()
 
     def call(self, fn, *args):
         """``fn(*args)`` on the pin thread; its result (or its exception, raised here)."""
-        if not self._thread.is_alive():
+        if not self._live():
             return fn(*args)
         reply: tuple = ([], threading.Event())
         self._q.put((fn, args, reply))
-        reply[1].wait()
+        while not reply[1].wait(1.0):
+            if not self._thread.is_alive():  # ended at exit before it came to this call
+                return fn(*args)
         out = reply[0][0]
         if isinstance(out, BaseException):
             raise out
@@ -122,7 +159,7 @@ class _PinThread:
 
     def post(self, fn) -> None:
         """Run ``fn()`` on the pin thread, not waited for; safe inside a finalizer."""
-        if self._thread.is_alive():
+        if self._live():
             self._q.put((fn, (), None))
         else:
             fn()
