@@ -460,15 +460,3 @@ class K3EagerPolicy(K3Policy):
     def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
         base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
         super().__init__(cfg, budget_bytes, dataclasses.replace(base, lazy_drops=False), shared_l3)
-
-
-class K3DensityPolicy(K3Policy):
-    """``--k3-eviction-ranking density`` (an experiment, not the default): checkpoints rank by
-    learned hit density (sglang_k3/cache/hit_density.py) instead of the recency and efficiency
-    blend. Shown beside ``k3`` to measure what the learned order does."""
-
-    name = "k3-lhd"
-
-    def __init__(self, cfg: SimConfig, budget_bytes, k3: Optional[K3Config] = None, shared_l3=None):
-        base = k3 or dataclasses.replace(K3Config(), checkpoint_dtype=cfg.checkpoint_dtype)
-        super().__init__(cfg, budget_bytes, dataclasses.replace(base, eviction_ranking="density"), shared_l3)
