@@ -200,8 +200,18 @@ def test_real_trace_slice(tmp_path):
         for _, line in zip(range(3000), f):
             g.write(line)
     budgets = [4, 40]
+    # every policy at two budgets: 97-101 s on this project's 2-core machine, so the default 120 s
+    # would fail a loaded CI runner; the timeout is there to catch a hang, not to time the replay
     res = run_cli(
-        "--trace", str(trace), "--policies", ",".join(ALL), "--budgets-gib", "4,40", "--out", str(tmp_path / "o")
+        "--trace",
+        str(trace),
+        "--policies",
+        ",".join(ALL),
+        "--budgets-gib",
+        "4,40",
+        "--out",
+        str(tmp_path / "o"),
+        timeout=480,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     records = json.loads((tmp_path / "o" / "results.json").read_text())
