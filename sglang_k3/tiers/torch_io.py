@@ -316,11 +316,11 @@ class PoolTierIO:
         return idx.pin_memory().to(self.device, non_blocking=True)
 
     def read_payloads(self, parts: Sequence[tuple], outs: Sequence):
-        """Gather the bytes of ``parts`` on the device for ``outs``, consecutive pieces of them,
-        one tier object's payload each, and launch their checksums. ``parts``, in byte order:
-        ``("kv", token indices)`` (KV, token-major) and ``("state", handle)`` (a checkpoint's
-        parts), and start the copies down into ``outs``. Returns the
-        :data:`~sglang_k3.tiers.ports.PendingRead` (on CPU the copies are done already)."""
+        """Gather the bytes of ``parts`` on the device, launch their checksums and start the copies
+        down into ``outs``, consecutive pieces of those bytes (one tier object's payload each).
+        ``parts``, in byte order: ``("kv", token indices)`` (KV, token-major) and ``("state",
+        handle)`` (a checkpoint's parts). Returns the :data:`~sglang_k3.tiers.ports.PendingRead`
+        (on CPU the copies are done already)."""
         kv_parts = [np.asarray(x, dtype=np.int64) for kind, x in parts if kind == "kv"]
         rows = np.concatenate(kv_parts) if kv_parts else np.zeros(0, dtype=np.int64)
         kv = torch.empty(0, dtype=torch.uint8, device=self.device)

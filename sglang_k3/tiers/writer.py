@@ -101,7 +101,7 @@ class TierWriter:
 
     def __init__(self, counters: TierCounters, block: int, queue_bytes: int) -> None:
         self.counters, self.block, self.queue_bytes = counters, block, queue_bytes
-        self._thread = None
+        self._executor = None  # the writer thread, started at the first queued batch
         self._writing: dict[str, int] = {}  # boundary key -> bytes, from hand-over until put
         self._writing_bytes = 0
         self._lock = threading.Lock()
@@ -144,11 +144,11 @@ class TierWriter:
         """A batch's stream of groups to the writer thread (:meth:`BatchStream.hand_over`, then
         :meth:`BatchStream.close`)."""
         stream = BatchStream(self)
-        if self._thread is None:
+        if self._executor is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
-        self._thread.submit(self._drain, stream)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-tier-writer")
+        self._executor.submit(self._drain, stream)
         return stream
 
     def _register(self, jobs: list) -> None:
