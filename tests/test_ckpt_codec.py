@@ -59,13 +59,19 @@ def ckpt_bufs(n, L, H, V, Kd, dtype, conv_numel=120):
 # ---------------------------------------------------------------- reference round-trip bounds
 
 
-def test_int8_elementwise_bound_random():
-    x = torch.randn(3, 4, 64, 32) * torch.rand(3, 4, 1, 32) * 10
+@pytest.mark.parametrize("seed", [0, 84, 221, 1234])
+def test_int8_elementwise_bound_random(seed):
+    # seeded: unseeded, this drew whatever the earlier tests left in torch's generator and failed
+    # in CI on a draw where fp32 rounding put one element a single ulp of amax past half a step.
+    # Seeds 84 and 221 are two such draws (found by sweeping 3,000 seeds: 17 failed the old bound)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 4, 64, 32, generator=g) * torch.rand(3, 4, 1, 32, generator=g) * 10
     q, s = R.quantize_tile(x)
     y = R.dequantize_tile(q, s)
     amax = x.abs().amax(dim=-2, keepdim=True)
-    # rounding error at most half a step (plus fp32 slack)
-    assert ((y - x).abs() <= amax / 254 * (1 + 1e-5) + 1e-12).all()
+    # rounding error at most half a step, plus fp32 rounding in x * (127 / amax) and in q * scale:
+    # each is at most an ulp of amax (|x|, |y| <= amax), so 4 ulps covers them with room
+    assert ((y - x).abs() <= amax / 254 + 4 * amax * 2.0**-24).all()
     assert q.abs().max() <= 127
     assert rel(y, x) < 0.01
 
