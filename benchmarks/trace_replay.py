@@ -218,7 +218,7 @@ def build_records(args, results) -> list:
                 baseline_state_dtype=args.baseline_state_dtype,
                 state_dtype=(
                     args.checkpoint_dtype
-                    if p in ("k3", "k3-fixed", "k3-alpha0", "k3-rules", "k3-eager", "k3-lhd", "k3-adaptive", "marconi")
+                    if p in ("k3", "k3-fixed", "k3-alpha0", "k3-rules", "k3-eager", "marconi")
                     else "int8"
                     if p == "upstream-int8"
                     else args.baseline_state_dtype

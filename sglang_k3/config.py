@@ -18,7 +18,6 @@ import os
 ENV_CONFIG = "SGLANG_K3_CONFIG"
 CHECKPOINT_DTYPES = ("int8", "bf16", "fp32")
 TIER_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
-EVICTION_RANKINGS = ("blend", "density", "adaptive")  # how eviction orders checkpoints (K3Config.eviction_ranking)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +39,6 @@ class K3Config:
     min_kv_tokens: int = 0  # unified: checkpoints never take memory KV needs for this many tokens
     min_checkpoints: int = 0  # unified: KV and state pressure never evict checkpoints below this
     max_checkpoints: int = 0  # unified: at most this many checkpoints (0: no cap)
-    # how eviction orders checkpoints: "blend" (recency + eviction_alpha x FLOPs saved per byte) or
-    # "density" (learned hit density, sglang_k3/cache/hit_density.py; an experiment, not the default)
-    eviction_ranking: str = "blend"
     eviction_alpha: float = 1.0  # weight of FLOPs saved per byte against recency in eviction
     host_tier_gib: float = 0.0  # host tier for evicted boundaries (KV + state), GiB; 0: off
     tier_write_policy: str = "write_back"  # when a boundary is copied down (SGLang's HiCache names)
@@ -80,10 +76,6 @@ class K3Config:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
-        if self.eviction_ranking not in EVICTION_RANKINGS:
-            raise ValueError(
-                f"eviction ranking {self.eviction_ranking!r}: choose one of {', '.join(EVICTION_RANKINGS)}"
-            )
         if not (self.eviction_alpha >= 0 and self.eviction_alpha < float("inf")):
             raise ValueError(f"eviction_alpha must be a finite number >= 0 (got {self.eviction_alpha})")
         if not (self.host_tier_gib >= 0 and self.host_tier_gib < float("inf")):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from int_pools import IntPool
 
+from benchmarks.policies.k3 import SimulatedStore
 from sglang_k3.cache import EvictionPolicy
 from sglang_k3.cache.block_ledger import BlockGeometry, BlockLedger
 from sglang_k3.cache.build import build_lifecycle
-from sglang_k3.cache.simulated import SimulatedStore
 from sglang_k3.cache.unified_eviction import UnifiedEviction
 from sglang_k3.config import K3Config
 

@@ -5,15 +5,7 @@ from __future__ import annotations
 
 from benchmarks.policies.base import Admission, Policy, SimConfig
 from benchmarks.policies.fa_budget import FaBudgetPolicy
-from benchmarks.policies.k3 import (
-    K3AdaptivePolicy,
-    K3Alpha0Policy,
-    K3DensityPolicy,
-    K3EagerPolicy,
-    K3FixedPolicy,
-    K3Policy,
-    K3RulesPolicy,
-)
+from benchmarks.policies.k3 import K3Alpha0Policy, K3EagerPolicy, K3FixedPolicy, K3Policy, K3RulesPolicy
 from benchmarks.policies.marconi import MarconiPolicy
 from benchmarks.policies.oracle import OraclePolicy
 from benchmarks.policies.upstream import UpstreamInt8Policy, UpstreamPolicy
@@ -26,8 +18,6 @@ POLICIES = {
     "k3-alpha0": K3Alpha0Policy,
     "k3-rules": K3RulesPolicy,
     "k3-eager": K3EagerPolicy,
-    "k3-lhd": K3DensityPolicy,
-    "k3-adaptive": K3AdaptivePolicy,
     "upstream": UpstreamPolicy,
     "upstream-int8": UpstreamInt8Policy,
     "upstream-hicache": UpstreamHiCachePolicy,

@@ -31,9 +31,34 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_k3.cache import CheckpointKind, EvictionPolicy, K3RadixTree, ModelCostConfig
-from sglang_k3.cache.simulated import ScaledCost  # noqa: F401  (the policies import it from here)
 
 GiB = 1 << 30
+
+
+class ScaledCost:
+    """A ``ModelCostConfig`` seen in symbols: the tree's eviction asks for FLOPs between symbol
+    positions and for KV bytes per symbol; this answers in real FLOPs and bytes."""
+
+    def __init__(self, cost: ModelCostConfig, unit: int) -> None:
+        self.cost, self.unit = cost, unit
+        # prefill_flops(a, b) = n * lin + att * (a + b + 1) * n / 2 with n = b - a (cost_model.py);
+        # read both coefficients off the model once instead of rebuilding them on every call
+        f1, f2 = cost.prefill_flops(0, 1), cost.prefill_flops(0, 2)
+        self._att = f2 - 2 * f1
+        self._lin = f1 - self._att
+        assert abs(self._flops(1000, 4096) - cost.prefill_flops(1000, 4096)) <= 1e-9 * cost.prefill_flops(1000, 4096)
+
+    def _flops(self, a: int, b: int) -> float:
+        if b <= a:
+            return 0.0
+        n = b - a
+        return n * self._lin + self._att * (a + b + 1) * n / 2
+
+    def prefill_flops(self, a: int, b: int) -> float:
+        return self._flops(a * self.unit, b * self.unit)
+
+    def kv_bytes_per_token(self, dtype: str = "bf16") -> int:
+        return self.cost.kv_bytes_per_token(dtype) * self.unit
 
 
 @dataclass

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Callable, Optional
 
 from sglang_k3.cache.ghosts import ReuseLearner
-from sglang_k3.cache.hit_density import HitDensity
 from sglang_k3.cache.lifecycle import CacheLifecycle
 from sglang_k3.cache.placement import PlacementPolicy
 from sglang_k3.cache.ports import CheckpointStore, TierPort
@@ -101,9 +100,6 @@ def build_lifecycle(
     tree = build_tree(eviction, page_size, has_slack if cfg.lazy_drops else None)
     if cfg.adaptive_retention:
         tree.reuse = ReuseLearner()
-    if cfg.eviction_ranking in ("density", "adaptive"):
-        tree.density = HitDensity()  # learned from the start: warm when an adaptive choice turns to it
-        tree.order = "density" if cfg.eviction_ranking == "density" else "blend"
     return CacheLifecycle(
         tree,
         placement_from_config(cfg, unit),

@@ -49,7 +49,6 @@ class Checkpoint:
     ready: bool = False
     pins: int = 0
     last_access: int = 0
-    used: int = 0  # clock of its placement or its last restore: its age for hit density (hit_density.py)
     hits: int = 0  # admitted matches that restored from it (evidence it is worth keeping)
     wanted: int = 0  # clock of the last waiting-queue touch that would restore from it (tree.touch)
     superseded: bool = False  # serves only a repeat of its prompt: priced at 0, so recency alone keeps it

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from sglang_k3.cache.cost_model import ModelCostConfig
 
@@ -69,8 +69,6 @@ class Candidate:
     nbytes: int
     wanted: int = 0
     deferred: bool = False  # only states a placement rule let go while memory was free (Retention.let_go)
-    used: int = -1  # clock of its placement or last restore (the age hit density reads); -1: last_access
-    hits: int = 0  # restores from it so far (hit density's class)
 
 
 def _norm(values: Sequence[float]) -> list[float]:
@@ -87,9 +85,7 @@ def _log_scale(values: Sequence[float]) -> list[float]:
     return [math.log(v) if v > 0 else floor for v in values]
 
 
-def rank(
-    cands: Sequence[Candidate], alpha: float, density: Optional[Callable[[int, int], float]] = None, now: int = 0
-) -> list[Candidate]:
+def rank(cands: Sequence[Candidate], alpha: float) -> list[Candidate]:
     """Candidates no waiting request wants first: the deferred ones (what a placement rule let go
     while memory was free; oldest first), then the rest, lowest utility first, ties broken by
     older access first (LRU), then by insertion order; then the wanted ones, the queue's tail
@@ -105,12 +101,6 @@ def rank(
     wanted = sorted((c for c in cands if c.wanted), key=lambda c: c.wanted)
     if not free:
         return first + wanted
-    if density is not None:
-        eff = _log_scale([c.saved_flops / max(1, c.nbytes) for c in free])
-        ages = [now - (c.used if c.used >= 0 else c.last_access) for c in free]
-        keys = [eff[i] + math.log(density(c.hits, ages[i])) for i, c in enumerate(free)]
-        scored = sorted((keys[i], c.last_access, i) for i, c in enumerate(free))
-        return first + [free[i] for *_, i in scored] + wanted
     rec = _norm([float(c.last_access) for c in free])
     eff = _norm(_log_scale([c.saved_flops / max(1, c.nbytes) for c in free]))
     scored = sorted((rec[i] + alpha * eff[i], c.last_access, i) for i, c in enumerate(free))

@@ -134,7 +134,6 @@ class CheckpointRegistry:
             ready=ready,
             last_access=self._tick(),
         )
-        ck.used = ck.last_access
         holder.checkpoints[pos] = ck
         holder.ghosts.pop(pos, None)  # a state is back where one was let go
         if self.reuse is not None and kind & CheckpointKind.GEN_END:
@@ -222,10 +221,7 @@ class CheckpointRegistry:
         """An admitted match restores from ``ck``: count the hit (evidence it is worth keeping; it
         serves more than a repeat that may never come, so a superseded mark goes), pin it (all
         groups at once) and lock the KV path under it until the copy-on-write has landed."""
-        if self.density is not None:
-            self.density.hit(ck.hits, self._clock - ck.used)
         ck.hits += 1
-        ck.used = self._clock
         ck.superseded = False
         if ck.deferred:  # the rule that let it go was wrong here: it is a state like any other now
             ck.deferred = False

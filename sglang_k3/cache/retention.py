@@ -173,8 +173,6 @@ class Retention:
             self.stats.recycled_checkpoints += 1
             return self.drop_checkpoint(ck, DropReason.RECYCLED)
         self.stats.evicted_wanted_checkpoints += bool(self.wanted(ck))
-        if self.density is not None:
-            self.density.evicted(ck.hits, self._clock - ck.used)
         freed = self.drop_checkpoint(ck, DropReason.EVICTED)
         self.stats.evicted_checkpoints += 1
         self.stats.evicted_checkpoint_bytes += freed.checkpoint_bytes
@@ -183,11 +181,11 @@ class Retention:
     def _evict_checkpoints(self, need: int, spare_wanted: bool = False) -> Freed:
         freed, got = Freed(), 0
         cands = [
-            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c), c.deferred, c.used, c.hits)
+            Candidate(c, c.last_access, self.expected_saving(c), c.nbytes, self.wanted(c), c.deferred)
             for c in self._ckpts.values()
             if self.checkpoint_evictable(c) and not (spare_wanted and self.wanted(c))
         ]
-        for cand in self._rank(cands):
+        for cand in rank(cands, self.policy.alpha):
             if got >= need:
                 break
             f = self.evict_checkpoint(cand.obj)  # type: ignore[arg-type]
@@ -266,7 +264,7 @@ class Retention:
                 cands = [self._candidate(g) for g in by.values() if all(map(self.checkpoint_evictable, g))]
         if spare_wanted:
             cands = [c for c in cands if not c.wanted]
-        for cand in self._rank(cands):
+        for cand in rank(cands, self.policy.alpha):
             if got >= need_bytes or self.checkpoint_count() <= keep_checkpoints:
                 break
             for ck in cand.obj:  # type: ignore[attr-defined]
@@ -292,8 +290,6 @@ class Retention:
                 c.nbytes + self._kv_freed_with(c),
                 self.wanted(c),
                 c.deferred,
-                c.used,
-                c.hits,
             )
         return Candidate(
             cks,
@@ -302,25 +298,14 @@ class Retention:
             sum(c.nbytes + self._kv_freed_with(c) for c in cks),
             max(self.wanted(c) for c in cks),
             all(c.deferred for c in cks),
-            max(c.used for c in cks),
-            max(c.hits for c in cks),
         )
-
-    def _rank(self, cands: Sequence[Candidate]) -> list[Candidate]:
-        """Checkpoint candidates in eviction order: by hit density when that is the tree's
-        order (``--k3-eviction-ranking density``, or ``adaptive`` when the miniature caches chose
-        it), else by the recency and efficiency blend
-        (:func:`rank`)."""
-        if self.density is None or self.order != "density":
-            return rank(cands, self.policy.alpha)
-        return rank(cands, self.policy.alpha, self.density.density, self._clock)
 
     def rank_checkpoint_groups(self, groups: Sequence[list[Checkpoint]]) -> list[list[Checkpoint]]:
         """``groups`` (each a set of checkpoints that only free memory together, e.g. one state
         slot's blocks) whose checkpoints are all evictable, least valuable first, priced as
         :meth:`evict_ranked` prices them."""
         ok = [g for g in groups if g and all(map(self.checkpoint_evictable, g))]
-        return [c.obj for c in self._rank([self._candidate(g) for g in ok])]  # type: ignore[misc]
+        return [c.obj for c in rank([self._candidate(g) for g in ok], self.policy.alpha)]  # type: ignore[misc]
 
     def _kv_freed_with(self, ck: Checkpoint) -> int:
         """KV bytes that dropping ``ck`` lets go: the tail of an unlocked leaf past the checkpoint

@@ -51,7 +51,6 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from sglang_k3.cache.actions import DropReason, Freed
 from sglang_k3.cache.ghosts import EvictedKV, MissCounts, ReuseLearner
-from sglang_k3.cache.hit_density import HitDensity
 from sglang_k3.cache.invariants import check_tree
 from sglang_k3.cache.node import Checkpoint, Node, differing, lcp, page_child
 from sglang_k3.cache.ranking import EvictionPolicy
@@ -89,13 +88,6 @@ class K3RadixTree(Retention, CheckpointRegistry):
         # With a learner, retention keeps states its placement rules would drop when their class
         # has been reused (sglang_k3.cache.ghosts); None: the rules alone (the baselines' trees).
         self.reuse: Optional[ReuseLearner] = None
-        # With a hit-density learner, checkpoints rank by the prefill they are expected to save
-        # per byte per unit of time, learned from hits and evictions by age (hit_density.py);
-        # None: the recency and efficiency blend of ranking.rank.
-        self.density: Optional[HitDensity] = None
-        # The order eviction follows now: "blend" or "density" (only with a learner). With
-        # --k3-eviction-ranking adaptive, miniature caches choose it (sglang_k3.cache.order_chooser).
-        self.order = "blend"
         # Whether the budget has memory nobody holds (the unified ledger's free blocks): then a
         # state a placement rule lets go stays until memory is short (Retention.let_go). None:
         # such states go at once (fixed pools, the baselines' trees).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from sglang_k3.config import ENV_CONFIG, EVICTION_RANKINGS, TIER_WRITE_POLICIES, K3Config, from_env  # noqa: F401  (re-exported)
+from sglang_k3.config import ENV_CONFIG, TIER_WRITE_POLICIES, K3Config, from_env  # noqa: F401  (re-exported)
 
 
 def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -151,18 +151,6 @@ def add_k3_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=0,
         metavar="N",
         help="Unified memory: at most N checkpoints live at once (a cap; default 0: none).",
-    )
-    g.add_argument(
-        "--k3-eviction-ranking",
-        choices=EVICTION_RANKINGS,
-        default="blend",
-        help="k3 cache: how eviction orders checkpoints. blend (default): recency + A x prefill "
-        "FLOPs saved per byte (--k3-eviction-alpha). density (an experiment): the FLOPs a hit saves "
-        "per byte, times the state's hit density, learned from the cache's own hits and evictions "
-        "by age (LHD, NSDI 2018): in the trace replay it wins the conversation trace at 10 GiB and "
-        "loses at 40 GiB and on the docs family (benchmarks/RESULTS_NOTES.md). adaptive (an "
-        "experiment): miniature caches fed one request in four choose between the two "
-        "(sglang_k3/cache/order_chooser.py).",
     )
     g.add_argument(
         "--k3-eviction-alpha",
@@ -315,7 +303,6 @@ def from_namespace(ns: argparse.Namespace) -> K3Config:
         min_kv_tokens=ns.k3_min_kv_tokens,
         min_checkpoints=ns.k3_min_checkpoints,
         max_checkpoints=ns.k3_max_checkpoints,
-        eviction_ranking=ns.k3_eviction_ranking,
         eviction_alpha=ns.k3_eviction_alpha,
         host_tier_gib=ns.k3_host_tier_gib,
         tier_write_policy=ns.k3_tier_write_policy,
