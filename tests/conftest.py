@@ -27,7 +27,6 @@ def _torch_seeded_per_test(request):
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    yield
 
 
 # Flags per configuration, on top of launch_server's defaults (embedded model, CPU defaults).
