@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile-cache",
         action="store_true",
         help="with --time-cache: also run cProfile over each server's whole scheduler from its start and write its "
-        "tables beside the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt); it slows the "
-        "scheduler, so the times of such a run are not the server's",
+        "tables beside the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt), and each "
+        "workload's own share, the difference of snapshots taken before and after it "
+        "(scheduler_PID.WORKLOAD_profile.txt); it slows the scheduler, so the times of such a run are not the server's",
     )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
@@ -476,13 +477,19 @@ def try_upstream_unified(args, Server, ServerStartError, log_dir: str, say) -> d
 
 
 def k3_memory(url: str) -> dict:
-    """The k3 server's unified-memory split and its lower tiers' counters (the memory_* and tier_*
-    fields of /server_info): on CUDA the tier_host_pin_* counters say whether the host tier's
-    buffers were page-locked, and whether a freed range was still registered (issue 32)."""
+    """The k3 server's unified-memory split, its lower tiers' counters (the memory_* and tier_*
+    fields of /server_info) and its page counters (:data:`PAGE_COUNTERS`): on CUDA the
+    tier_host_pin_* counters say whether the host tier's buffers were page-locked, and whether a
+    freed range was still registered (issue 32)."""
     import requests
 
     st = requests.get(url + "/server_info", timeout=60).json()["internal_states"][0].get("k3_cache", {})
-    return {k: v for k, v in st.items() if k.startswith(("memory_", "tier_"))}
+    return {k: v for k, v in st.items() if k.startswith(("memory_", "tier_")) or k in PAGE_COUNTERS}
+
+
+# with pages over one token: restores that copied a partial page out (``kv_page_copies``) and running
+# requests' states not stored for want of a key inside their last page (``unkeyed_state_skips``)
+PAGE_COUNTERS = ("kv_page_copies", "unkeyed_state_skips")
 
 
 WARM_PASS_SEED_OFFSET = 1000  # --warm-pass: its prompts share nothing with the measured ones
@@ -653,6 +660,9 @@ def main(argv=None) -> int:
 
                     time.sleep(2 * cache_timing.WRITE_EVERY_S)  # the flush is in the snapshot
                     before = cache_timing.read(timing_dirs[c])
+                    if args.profile_cache:  # the profile up to here, to subtract from the one after
+                        time.sleep(cache_timing.PROFILE_EVERY_S + 0.5)
+                        prof_before = cache_timing.snapshot_profiles(timing_dirs[c], f"before_{w}")
                 t0 = time.time()
                 peak = RunningPeak(s.url) if args.pressure else contextlib.nullcontext()
                 with peak:
@@ -660,6 +670,12 @@ def main(argv=None) -> int:
                 if args.time_cache:
                     time.sleep(2 * cache_timing.WRITE_EVERY_S)
                     m["cache_time"] = cache_timing.per_step(before, cache_timing.read(timing_dirs[c]))
+                    if args.profile_cache:
+                        time.sleep(cache_timing.PROFILE_EVERY_S + 0.5)
+                        for pb in prof_before:  # scheduler_<pid>.before_<w>.prof -> <pid>'s profile of <w> alone
+                            pa = pb.replace(f".before_{w}.prof", ".prof")
+                            with open(pb.replace(f".before_{w}.prof", f".{w}_profile.txt"), "w") as f:
+                                f.write(cache_timing.profile_delta(pb, pa))
                 if args.pressure:
                     m["running_peak"] = peak.peak
                 if c == "k3":

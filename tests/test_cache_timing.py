@@ -126,3 +126,40 @@ def test_without_the_profile_variable_nothing_is_profiled(tmp_path, monkeypatch)
     ct.wrap_cache(c, totals)
     c.match_prefix(1)
     assert totals.profile is None and not any(n.endswith(".prof") for n in os.listdir(tmp_path))
+
+
+def _spin_a(n):
+    t = time.thread_time()
+    while time.thread_time() - t < 0.001 * n:
+        pass
+
+
+def _spin_b(n):
+    t = time.thread_time()
+    while time.thread_time() - t < 0.001 * n:
+        pass
+
+
+def test_profile_delta_is_one_phase_alone(tmp_path, monkeypatch):
+    """A real cProfile over two phases, written by the timer's own ``write_profile``: the snapshot
+    taken between them and the profile after give the second phase alone (``_spin_a`` ran only
+    before the snapshot, ``_spin_b`` only after; both files are real pstats dumps)."""
+    monkeypatch.setenv(ct.PROFILE_ENV, "1")
+    totals = ct._Totals(str(tmp_path))
+    totals.start_profile()
+    for _ in range(5):
+        _spin_a(4)
+    totals.write_profile()
+    snaps = ct.snapshot_profiles(str(tmp_path), "before_w")
+    assert [os.path.basename(p) for p in snaps] == [f"scheduler_{os.getpid()}.before_w.prof"]
+    for _ in range(3):
+        _spin_b(6)
+    totals.write_profile()
+    totals.profile.disable()
+    text = ct.profile_delta(snaps[0], str(tmp_path / f"scheduler_{os.getpid()}.prof"))
+    rows = {ln.split()[-1].rsplit("(", 1)[-1][:-1]: ln.split() for ln in text.splitlines() if ln.endswith(")")}
+    assert "_spin_a" not in rows  # all of it before the snapshot
+    calls, cum = int(rows["_spin_b"][0]), float(rows["_spin_b"][2])
+    assert calls == 3 and 0.015 <= cum <= 0.2  # 3 x 6 ms of CPU (its clock calls included), nothing of before
+    # the second snapshot name filter: tagged copies are never taken as a scheduler's profile
+    assert ct.snapshot_profiles(str(tmp_path), "after") == [str(tmp_path / f"scheduler_{os.getpid()}.after.prof")]

@@ -242,6 +242,14 @@ def test_live_ab_end_to_end(tmp_path):
         t = rec["cache_time"]
         assert t["steps"] > 0 and t["cache_calls"] > 0 and t["cache_cpu_ms_per_step"] > 0, (w, c, t)
         assert t["cache_cpu_s"] * 1e3 >= sum(t["top_methods_cpu_ms"].values()) * 0.999
+        # each request is kept on its own, and the cell's sums are theirs
+        per = rec["per_request"]
+        assert len(per) == rec["requests"] and len({p["key"] for p in per}) == len(per)
+        assert sum(p["cached_tokens"] for p in per) == rec["cached_tokens"]
+        assert sum(p["prompt_tokens"] for p in per) == rec["prompt_tokens"]
+        assert max(p["ttft_s"] for p in per) >= rec["ttft_p90_s"] >= min(p["ttft_s"] for p in per) > 0
+    for w in workloads:  # the k3 server's page counters are read after each workload
+        assert {"kv_page_copies", "unkeyed_state_skips"} <= set(res["k3_cache_after_each_workload"][w])
     # ratios are k3 / upstream of the measured numbers
     assert {q["workload"] for q in res["ratios"]} == set(workloads)
     for q in res["ratios"]:

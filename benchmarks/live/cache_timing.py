@@ -76,7 +76,8 @@ class _Totals:
         prof.disable()
         try:
             base = self.path[: -len(".json")]
-            prof.dump_stats(base + ".prof")
+            prof.dump_stats(base + ".prof.tmp")  # whole, then renamed: a snapshot never reads half
+            os.replace(base + ".prof.tmp", base + ".prof")
             out = io.StringIO()
             st = pstats.Stats(prof, stream=out)
             st.sort_stats("cumulative").print_stats(40)
@@ -260,3 +261,57 @@ def per_step(before: dict, after: dict) -> dict:
         "cache_cpu_s": cpu / 1e9,
         "top_methods_cpu_ms": {m: ns / 1e6 for ns, m, _c in top},
     }
+
+
+def snapshot_profiles(out_dir: str, tag: str) -> list[str]:
+    """Copy each scheduler's ``.prof`` as it stands to ``scheduler_<pid>.<tag>.prof`` (the profile
+    so far: one workload's own time is the difference of two snapshots, :func:`profile_delta`).
+    The profile is rewritten every ``PROFILE_EVERY_S`` at a cache call; wait that long after the
+    part to be included before taking a snapshot. Returns the copies' paths."""
+    import shutil
+
+    out = []
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        if name.startswith("scheduler_") and name.endswith(".prof") and name.count(".") == 1:
+            dst = os.path.join(out_dir, f"{name[: -len('.prof')]}.{tag}.prof")
+            shutil.copyfile(os.path.join(out_dir, name), dst)
+            out.append(dst)
+    return out
+
+
+def profile_delta(before_path: str, after_path: str, top: int = 30) -> str:
+    """What the scheduler did between two profile snapshots, as text: the functions by own time
+    and by cumulative time spent between them (``pstats`` totals subtracted per function; calls
+    that were running when a snapshot was taken are counted where they ended), and the cache's
+    and allocators' own files (:data:`PROFILE_FOCUS`) on their own."""
+    import pstats
+    import re
+
+    a = pstats.Stats(after_path).stats
+    b = pstats.Stats(before_path).stats
+    rows = []
+    for fn, (_cc, nc, tt, ct, _callers) in a.items():
+        nc0, tt0, ct0 = (b[fn][1], b[fn][2], b[fn][3]) if fn in b else (0, 0.0, 0.0)
+        if nc - nc0 > 0:
+            rows.append((fn, nc - nc0, tt - tt0, ct - ct0))
+
+    def name(fn) -> str:
+        return f"{fn[0]}:{fn[1]}({fn[2]})"
+
+    def table(title: str, sel: list, key) -> list[str]:
+        lines = [title, f"{'calls':>10} {'own s':>9} {'cum s':>9}  function"]
+        for fn, n, tt, ct in sorted(sel, key=key, reverse=True)[:top]:
+            lines.append(f"{n:>10} {tt:>9.4f} {ct:>9.4f}  {name(fn)}")
+        return lines + [""]
+
+    focus = [r for r in rows if re.search(PROFILE_FOCUS, r[0][0])]
+    total = sum(r[2] for r in rows)
+    out = [
+        f"profile between {os.path.basename(before_path)} and {os.path.basename(after_path)}: "
+        f"{total:.3f} s of own time in {len(rows)} functions",
+        "",
+    ]
+    out += table("by own time", rows, lambda r: r[2])
+    out += table("by cumulative time", rows, lambda r: r[3])
+    out += table(f"the cache's and allocators' files ({PROFILE_FOCUS}), by cumulative time", focus, lambda r: r[3])
+    return "\n".join(out)

@@ -137,6 +137,19 @@ def summarize_results(results: list[Result], duration_s: float) -> dict:
         len(results) - len(ok),
     )
     verifies = sum(r.spec_verifies for r in ok)
+    # each request on its own, in the order sent: a p90 over a few dozen requests rests on three
+    # or four of them, and which ones (a group's first, a restore inside a page) says why
+    out["per_request"] = [
+        {
+            "key": r.key,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "ttft_s": r.ttft_s,
+            "latency_s": r.latency_s,
+            "error": r.error,
+        }
+        for r in results
+    ]
     out["spec_verifies"] = verifies
     out["accept_length"] = (verifies + sum(r.spec_correct_drafts for r in ok)) / verifies if verifies else None
     return out

@@ -124,6 +124,17 @@ def run_bench_serving(
         len(rec["ttfts"]),
         len(errors),
     )
+    metrics["per_request"] = [  # as client.summarize_results keeps them (bench_serving's order)
+        {
+            "key": f"gsp/{i}",
+            "prompt_tokens": rec["input_lens"][i],
+            "cached_tokens": rec["cached_tokens"][i],
+            "ttft_s": rec["ttfts"][i],
+            "latency_s": rec["latencies"][i] if "latencies" in rec else None,
+            "error": rec.get("errors", [""] * len(rec["ttfts"]))[i] or None,
+        }
+        for i in range(len(rec["ttfts"]))
+    ]
     metrics["bench_serving"] = {
         k: rec.get(k)
         for k in (
