@@ -143,11 +143,14 @@ ab)
   # AB_GSP replaces the gsp shape (groups, lengths, concurrency);
   # AB_PROFILE=1 adds --profile-cache (cProfile tables of the scheduler beside its timing files;
   # the cache times of that run are then not the cache's). AB_WARM=0 drops --warm-pass (above).
+  # AB_CACHES orders the default run's servers (default k3,upstream,off): live_ab measures them in
+  # that order on its first workload and reversed on the next, so with one workload the first
+  # named is always measured first (AB_CACHES=upstream,k3,off turns that round).
   GSP=${AB_GSP:-"--gsp-groups 4 --gsp-prompts-per-group 6 --gsp-system-len 2048 --gsp-question-len 128 --gsp-output-len 32 --gsp-concurrency 8"}
   MT="--mt-turns 5 --mt-branches 2 --mt-fork-at 2 --mt-first-len 1024 --mt-user-len 256 --mt-reply-len 32"
   TRACE_ARGS="--trace $TRACE --trace-requests ${AB_TRACE_REQUESTS:-48} --trace-window 3000 --trace-scale 4 --trace-max-output 32 --trace-concurrency 8"
   if [ -z "${AB_NO_DEFAULT:-}" ]; then  # AB_NO_DEFAULT=1: the pressure run only
-    timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches k3,upstream,off \
+    timeout ${AB_TIMEOUT:-270} python3 -m benchmarks.live_ab --model-path $MODEL --caches ${AB_CACHES:-k3,upstream,off} \
       --greedy-informational --time-cache ${AB_PROFILE:+--profile-cache} $WARM --extra-server-args "$COMMON" --workloads ${AB_WORKLOADS:-gsp,multiturn,trace} \
       $GSP $MT --mt-conversations ${AB_CONVERSATIONS:-8} --mt-system-len 1024 \
       $TRACE_ARGS --out "$RES/default" --log-dir "$RES/logs" --quiet
