@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --time-cache: also run cProfile over each server's whole scheduler from its start and write its "
         "tables beside the timing files (LOG_DIR/cache_timing_CACHE_PID/scheduler_PID_profile.txt), and each "
         "workload's own share, the difference of snapshots taken before and after it "
-        "(scheduler_PID.WORKLOAD_profile.txt); it slows the scheduler, so the times of such a run are not the server's",
+        "(scheduler_PID.WORKLOAD_profile.txt, from scheduler_PID.before_WORKLOAD.prof and .after_WORKLOAD.prof); it "
+        "slows the scheduler, so the times of such a run are not the server's",
     )
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for a server's /health")
     g.add_argument(
@@ -672,8 +673,11 @@ def main(argv=None) -> int:
                     m["cache_time"] = cache_timing.per_step(before, cache_timing.read(timing_dirs[c]))
                     if args.profile_cache:
                         time.sleep(cache_timing.PROFILE_EVERY_S + 0.5)
+                        # kept beside the before_<w> copies: the profile a server rewrites at exit holds
+                        # its idle time through the other servers' passes too
+                        cache_timing.snapshot_profiles(timing_dirs[c], f"after_{w}")
                         for pb in prof_before:  # scheduler_<pid>.before_<w>.prof -> <pid>'s profile of <w> alone
-                            pa = pb.replace(f".before_{w}.prof", ".prof")
+                            pa = pb.replace(f".before_{w}.prof", f".after_{w}.prof")
                             with open(pb.replace(f".before_{w}.prof", f".{w}_profile.txt"), "w") as f:
                                 f.write(cache_timing.profile_delta(pb, pa))
                 if args.pressure:
