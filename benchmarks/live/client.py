@@ -122,6 +122,22 @@ def summarize(
     }
 
 
+def per_request(results: list[Result]) -> list[dict]:
+    """Each request on its own, in the order sent: a p90 over a few dozen requests rests on three
+    or four of them, and which ones (a group's first, a restore inside a page) says why."""
+    return [
+        {
+            "key": r.key,
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+            "ttft_s": r.ttft_s,
+            "latency_s": r.latency_s,
+            "error": r.error,
+        }
+        for r in results
+    ]
+
+
 def summarize_results(results: list[Result], duration_s: float) -> dict:
     """:func:`summarize`, plus under speculative decoding the verify steps run and the mean
     accept length (tokens committed per verify: the accepted drafts and the target's own token;
@@ -137,19 +153,7 @@ def summarize_results(results: list[Result], duration_s: float) -> dict:
         len(results) - len(ok),
     )
     verifies = sum(r.spec_verifies for r in ok)
-    # each request on its own, in the order sent: a p90 over a few dozen requests rests on three
-    # or four of them, and which ones (a group's first, a restore inside a page) says why
-    out["per_request"] = [
-        {
-            "key": r.key,
-            "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens,
-            "ttft_s": r.ttft_s,
-            "latency_s": r.latency_s,
-            "error": r.error,
-        }
-        for r in results
-    ]
+    out["per_request"] = per_request(results)
     out["spec_verifies"] = verifies
     out["accept_length"] = (verifies + sum(r.spec_correct_drafts for r in ok)) / verifies if verifies else None
     return out

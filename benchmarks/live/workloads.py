@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
-from benchmarks.live.client import Progress, Result, generate_stream, summarize, summarize_results
+from benchmarks.live.client import Progress, Result, generate_stream, per_request, summarize, summarize_results
 from benchmarks.trace.mooncake import BLOCK, TraceRequest, load_trace, to_symbolic
 
 
@@ -124,17 +124,18 @@ def run_bench_serving(
         len(rec["ttfts"]),
         len(errors),
     )
-    metrics["per_request"] = [  # as client.summarize_results keeps them (bench_serving's order)
-        {
-            "key": f"gsp/{i}",
-            "prompt_tokens": rec["input_lens"][i],
-            "cached_tokens": rec["cached_tokens"][i],
-            "ttft_s": rec["ttfts"][i],
-            "latency_s": rec["latencies"][i] if "latencies" in rec else None,
-            "error": rec.get("errors", [""] * len(rec["ttfts"]))[i] or None,
-        }
-        for i in range(len(rec["ttfts"]))
-    ]
+    metrics["per_request"] = per_request(  # bench_serving's order; it reports no per-request latency
+        [
+            Result(
+                key=f"gsp/{i}",
+                prompt_tokens=rec["input_lens"][i],
+                cached_tokens=rec["cached_tokens"][i],
+                ttft_s=rec["ttfts"][i],
+                error=rec.get("errors", [""] * len(rec["ttfts"]))[i] or None,
+            )
+            for i in range(len(rec["ttfts"]))
+        ]
+    )
     metrics["bench_serving"] = {
         k: rec.get(k)
         for k in (
